@@ -1,0 +1,354 @@
+//! Where a rank learns who it is: torchrun-style variables, or SLURM's, or Open MPI's.
+
+use crate::error::{CommError, Result};
+
+/// Which launcher's variables configured this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EnvSource {
+    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`
+    /// (torchrun, `kiln launch`).
+    Torchrun,
+    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`, nodelist.
+    Slurm,
+    /// `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`,
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE`.
+    OpenMpi,
+}
+
+/// This process's place in a multi-process job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks in the job.
+    pub world_size: usize,
+    /// Rank on this node (the GPU ordinal, for NCCL).
+    pub local_rank: usize,
+    /// Ranks on this node.
+    pub local_world_size: usize,
+    /// Host of rank 0's rendezvous store.
+    pub master_addr: String,
+    /// Port of rank 0's rendezvous store.
+    pub master_port: u16,
+    /// Which variables these came from.
+    pub source: EnvSource,
+}
+
+/// The rendezvous port when a launcher gives none (torchrun's default).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+impl LaunchEnv {
+    /// Reads the process environment.
+    ///
+    /// # Errors
+    /// [`CommError::Config`] naming the missing or malformed variables.
+    pub fn from_env() -> Result<LaunchEnv> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// Reads variables through `get` (for tests and embedding).
+    ///
+    /// # Errors
+    /// [`CommError::Config`] naming the missing or malformed variables.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let env = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+            Self::torchrun(&get)?
+        } else if get("SLURM_PROCID").is_some() {
+            Self::slurm(&get)?
+        } else if get("OMPI_COMM_WORLD_RANK").is_some() {
+            Self::open_mpi(&get)?
+        } else {
+            return Err(CommError::Config(
+                "no launcher variables found: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT \
+                 (or run under `kiln launch`, torchrun, SLURM's srun or Open MPI's mpirun)"
+                    .into(),
+            ));
+        };
+        env.validate()
+    }
+
+    fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let missing: Vec<&str> = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+            .into_iter()
+            .filter(|k| get(k).is_none())
+            .collect();
+        if !missing.is_empty() {
+            return Err(CommError::Config(format!(
+                "torchrun-style launch is missing {}",
+                missing.join(", ")
+            )));
+        }
+        let rank = number(get, "RANK")?;
+        let world_size = number(get, "WORLD_SIZE")?;
+        // Without LOCAL_* the job is taken to be on one node.
+        let local_rank = optional_number(get, "LOCAL_RANK")?.unwrap_or(rank);
+        let local_world_size = optional_number(get, "LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr: get("MASTER_ADDR").expect("checked above"),
+            master_port: port(get, "MASTER_PORT")?.expect("checked above"),
+            source: EnvSource::Torchrun,
+        })
+    }
+
+    fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let rank = number(get, "SLURM_PROCID")?;
+        let world_size = number(get, "SLURM_NTASKS")?;
+        let local_rank = number(get, "SLURM_LOCALID")?;
+        let local_world_size = match get("SLURM_NTASKS_PER_NODE") {
+            // "4" or "4(x2)" or "4(x2),3": the first node's count is ours when uniform.
+            Some(v) => v
+                .split([',', '('])
+                .next()
+                .and_then(|s| s.trim().parse().ok())
+                .ok_or_else(|| {
+                    CommError::Config(format!("SLURM_NTASKS_PER_NODE={v:?} is not a count"))
+                })?,
+            None => world_size,
+        };
+        let master_addr = match get("MASTER_ADDR") {
+            Some(a) => a,
+            None => {
+                let list = get("SLURM_STEP_NODELIST")
+                    .or_else(|| get("SLURM_JOB_NODELIST"))
+                    .or_else(|| get("SLURM_NODELIST"))
+                    .ok_or_else(|| {
+                        CommError::Config(
+                            "SLURM launch: set MASTER_ADDR or SLURM_JOB_NODELIST".into(),
+                        )
+                    })?;
+                first_host(&list).ok_or_else(|| {
+                    CommError::Config(format!("cannot read a host from nodelist {list:?}"))
+                })?
+            }
+        };
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port: port(get, "MASTER_PORT")?.unwrap_or(DEFAULT_MASTER_PORT),
+            source: EnvSource::Slurm,
+        })
+    }
+
+    fn open_mpi(get: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let rank = number(get, "OMPI_COMM_WORLD_RANK")?;
+        let world_size = number(get, "OMPI_COMM_WORLD_SIZE")?;
+        let local_rank = optional_number(get, "OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(rank);
+        let local_world_size =
+            optional_number(get, "OMPI_COMM_WORLD_LOCAL_SIZE")?.unwrap_or(world_size);
+        let master_addr = match get("MASTER_ADDR") {
+            Some(a) => a,
+            // All ranks on this node: rank 0 is local.
+            None if local_world_size == world_size => "127.0.0.1".to_string(),
+            None => {
+                return Err(CommError::Config(format!(
+                    "Open MPI launch over several nodes ({world_size} ranks, {local_world_size} \
+                     on this node): set MASTER_ADDR to rank 0's host (mpirun -x MASTER_ADDR=...)"
+                )));
+            }
+        };
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port: port(get, "MASTER_PORT")?.unwrap_or(DEFAULT_MASTER_PORT),
+            source: EnvSource::OpenMpi,
+        })
+    }
+
+    fn validate(self) -> Result<LaunchEnv> {
+        if self.world_size == 0 {
+            return Err(CommError::Config("world size is 0".into()));
+        }
+        if self.rank >= self.world_size {
+            return Err(CommError::Config(format!(
+                "rank {} is out of range for world size {} (ranks are 0..{})",
+                self.rank, self.world_size, self.world_size
+            )));
+        }
+        if self.local_rank >= self.local_world_size {
+            return Err(CommError::Config(format!(
+                "local rank {} is out of range for {} ranks on this node",
+                self.local_rank, self.local_world_size
+            )));
+        }
+        if self.local_world_size > self.world_size {
+            return Err(CommError::Config(format!(
+                "{} ranks on this node but only {} in the job",
+                self.local_world_size, self.world_size
+            )));
+        }
+        Ok(self)
+    }
+
+    /// `host:port` of the rendezvous store.
+    pub fn store_addr(&self) -> String {
+        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]:{}", self.master_addr, self.master_port) // bare IPv6
+        } else {
+            format!("{}:{}", self.master_addr, self.master_port)
+        }
+    }
+}
+
+fn optional_number(get: &impl Fn(&str) -> Option<String>, key: &str) -> Result<Option<usize>> {
+    get(key)
+        .map(|v| {
+            v.trim().parse::<usize>().map_err(|_| {
+                CommError::Config(format!("{key}={v:?} is not a non-negative integer"))
+            })
+        })
+        .transpose()
+}
+
+fn number(get: &impl Fn(&str) -> Option<String>, key: &str) -> Result<usize> {
+    optional_number(get, key)?.ok_or_else(|| CommError::Config(format!("{key} is not set")))
+}
+
+fn port(get: &impl Fn(&str) -> Option<String>, key: &str) -> Result<Option<u16>> {
+    get(key)
+        .map(|v| {
+            v.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| CommError::Config(format!("{key}={v:?} is not a port (1-65535)")))
+        })
+        .transpose()
+}
+
+/// The first host of a SLURM nodelist: `gpu[03-05,9],cpu1` -> `gpu03`.
+fn first_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let end = list.find([',', '[']).unwrap_or(list.len());
+    let prefix = &list[..end];
+    if list[end..].starts_with('[') {
+        let inner = &list[end + 1..list[end..].find(']')? + end];
+        let first = inner.split([',', '-']).next()?.trim();
+        let rest_start = end + inner.len() + 2;
+        // A suffix after the bracket ("n[1-2]-ib") belongs to every host.
+        let suffix: &str = list[rest_start..].split(',').next().unwrap_or("");
+        Some(format!("{prefix}{first}{suffix}"))
+    } else if prefix.is_empty() {
+        None
+    } else {
+        Some(prefix.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<LaunchEnv> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        LaunchEnv::from_vars(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (3, 8, 1, 2));
+        assert_eq!(e.store_addr(), "node0:1234");
+        assert_eq!(e.source, EnvSource::Torchrun);
+    }
+
+    #[test]
+    fn missing_variables_are_named() {
+        let err = env(&[("RANK", "0")]).unwrap_err().to_string();
+        assert!(
+            err.contains("WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
+            "{err}"
+        );
+        let err = env(&[]).unwrap_err().to_string();
+        assert!(err.contains("no launcher variables"), "{err}");
+    }
+
+    #[test]
+    fn inconsistent_numbers_are_named() {
+        let base = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        let err = env(&[&base[..], &[("RANK", "4"), ("WORLD_SIZE", "4")]].concat())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("rank 4 is out of range for world size 4"), "{err}");
+        let err = env(&[&base[..], &[("RANK", "x"), ("WORLD_SIZE", "4")]].concat())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("RANK=\"x\""), "{err}");
+        let err = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "70000"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("MASTER_PORT=\"70000\""), "{err}");
+    }
+
+    #[test]
+    fn slurm_variables_and_nodelist() {
+        let e = env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08]"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (5, 8, 1, 4));
+        assert_eq!(e.master_addr, "gpu07");
+        assert_eq!(e.master_port, DEFAULT_MASTER_PORT);
+    }
+
+    #[test]
+    fn nodelists() {
+        assert_eq!(first_host("n1,n2").as_deref(), Some("n1"));
+        assert_eq!(first_host("gpu[003-005,9],cpu1").as_deref(), Some("gpu003"));
+        assert_eq!(first_host("a[1-2]-ib").as_deref(), Some("a1-ib"));
+        assert_eq!(first_host("").as_deref(), None);
+    }
+
+    #[test]
+    fn open_mpi_variables() {
+        let e = env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ])
+        .unwrap();
+        assert_eq!(e.master_addr, "127.0.0.1");
+        let err = env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("set MASTER_ADDR"), "{err}");
+    }
+}

@@ -1,0 +1,354 @@
+//! [`TcpGroup`]: ranks as processes (on one machine or many) over TCP.
+//!
+//! Every pair of ranks holds one connection (a full mesh, set up through the rendezvous
+//! store); a reader thread per connection files arriving messages into the rank's mailbox, so
+//! sends never wait on the receiver. The ring algorithms of [`ProcessGroup`] then move
+//! `2 (N-1)/N` of an all-reduce's buffer per rank. A full mesh suits the tens of CPU ranks this
+//! transport is for; GPU jobs use NCCL.
+
+use crate::env::LaunchEnv;
+use crate::error::{CommError, Result};
+use crate::group::{GroupCore, GroupOptions, delegate_process_group};
+use crate::store::{StoreClient, StoreServer};
+use crate::transport::{FailureNote, Header, Lane, Mailbox, Message, Transport};
+use std::io::{BufReader, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const HELLO_MAGIC: u32 = 0x4b49_4c4e; // "KILN"
+const PROTOCOL_VERSION: u32 = 1;
+
+#[derive(Debug)]
+struct TcpTransport {
+    rank: usize,
+    world_size: usize,
+    /// Write halves, by peer rank (`None` for this rank).
+    peers: Vec<Option<Mutex<TcpStream>>>,
+    mailbox: Arc<Mailbox>,
+    failure: FailureNote,
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
+    fn send(&self, dst: usize, msg: Message) -> Result<(), String> {
+        if dst == self.rank {
+            self.mailbox.push(dst, msg);
+            return Ok(());
+        }
+        let conn = self.peers[dst].as_ref().expect("a connection to every peer");
+        let mut conn = conn.lock().map_err(|_| "connection lock poisoned".to_string())?;
+        let header = msg.header.encode();
+        let io = |e: std::io::Error| format!("sending to rank {dst} failed: {e}");
+        if msg.payload.len() <= 64 << 10 {
+            let mut frame = Vec::with_capacity(Header::WIRE + msg.payload.len());
+            frame.extend_from_slice(&header);
+            frame.extend_from_slice(&msg.payload);
+            conn.write_all(&frame).map_err(io)
+        } else {
+            conn.write_all(&header).map_err(io)?;
+            conn.write_all(&msg.payload).map_err(io)
+        }
+    }
+    fn mailbox(&self) -> &Mailbox {
+        &self.mailbox
+    }
+    fn note_failure(&self, reason: &str) {
+        self.failure.set(reason);
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        // Say why, then half-close: peers read what was sent, then the goodbye, then
+        // end-of-stream.
+        let reason = self.failure.leaving(self.rank).into_bytes();
+        for conn in self.peers.iter().flatten() {
+            if let Ok(mut conn) = conn.lock() {
+                let header = Header {
+                    group: 0,
+                    lane: Lane::Goodbye,
+                    kind: crate::OpKind::Barrier,
+                    dtype: crate::DType::I64,
+                    op: 0,
+                    root: 0,
+                    seq: 0,
+                    total: 0,
+                    step: 0,
+                    payload_len: reason.len() as u64,
+                };
+                let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
+                let _ = conn.write_all(&header.encode());
+                let _ = conn.write_all(&reason);
+                let _ = conn.shutdown(Shutdown::Write);
+            }
+        }
+    }
+}
+
+fn read_loop(peer: usize, stream: TcpStream, mailbox: Arc<Mailbox>) {
+    let mut r = BufReader::with_capacity(1 << 20, stream);
+    let reason = loop {
+        let mut hb = [0u8; Header::WIRE];
+        if let Err(e) = r.read_exact(&mut hb) {
+            break if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                format!("rank {peer} closed its connection (process exited or dropped its group)")
+            } else {
+                format!("connection to rank {peer} failed: {e}")
+            };
+        }
+        let header = match Header::decode(&hb) {
+            Ok(h) => h,
+            Err(e) => break format!("from rank {peer}: {e}"),
+        };
+        let mut payload = vec![0u8; header.payload_len as usize];
+        if let Err(e) = r.read_exact(&mut payload) {
+            break format!("connection to rank {peer} failed mid-message: {e}");
+        }
+        if header.lane == Lane::Goodbye {
+            break String::from_utf8_lossy(&payload).into_owned();
+        }
+        mailbox.push(peer, Message { header, payload });
+    };
+    mailbox.close(peer, reason);
+}
+
+/// One rank's handle on a group of processes connected over TCP.
+#[derive(Debug)]
+pub struct TcpGroup {
+    core: GroupCore,
+    store: Arc<StoreClient>,
+    /// Rank 0 hosts the store for as long as the group lives.
+    _server: Option<Arc<StoreServer>>,
+}
+
+impl TcpGroup {
+    /// Joins the job described by the environment ([`LaunchEnv::from_env`]); rank 0 hosts the
+    /// rendezvous store on `MASTER_PORT`.
+    ///
+    /// # Errors
+    /// Missing or inconsistent variables, a port in use, a rank that never arrives.
+    pub fn from_env() -> Result<TcpGroup> {
+        Self::from_launch_env(&LaunchEnv::from_env()?, GroupOptions::default())
+    }
+
+    /// Joins the job described by `env`.
+    ///
+    /// # Errors
+    /// As [`TcpGroup::from_env`].
+    pub fn from_launch_env(env: &LaunchEnv, options: GroupOptions) -> Result<TcpGroup> {
+        let server = if env.rank == 0 {
+            let bind: SocketAddr = (IpAddr::from([0, 0, 0, 0]), env.master_port).into();
+            Some(Arc::new(StoreServer::bind(bind)?))
+        } else {
+            None
+        };
+        let store = Arc::new(StoreClient::connect(&env.store_addr(), options.timeout)?);
+        let mut group = Self::connect(store, env.rank, env.world_size, options)?;
+        group._server = server;
+        Ok(group)
+    }
+
+    /// Connects `world_size` ranks through an existing store. Every rank calls it with its own
+    /// `rank`; keys are prefixed with `options.name`, so one store can set up several groups.
+    ///
+    /// # Errors
+    /// A rank claimed twice, world sizes that disagree, a peer that never connects.
+    pub fn connect(
+        store: Arc<StoreClient>,
+        rank: usize,
+        world_size: usize,
+        options: GroupOptions,
+    ) -> Result<TcpGroup> {
+        let prefix = format!("kiln/tcp/{}/", options.name);
+        let key = |k: &str| format!("{prefix}{k}");
+        let setup = |m: String| CommError::Setup(format!("rank {rank} of {world_size}: {m}"));
+        if rank >= world_size {
+            return Err(setup(format!("rank {rank} is out of range")));
+        }
+        if store.add(&key(&format!("claim/{rank}")), 1)? != 1 {
+            return Err(setup(format!(
+                "rank {rank} was claimed by two processes (check RANK / --node-rank)"
+            )));
+        }
+        if rank == 0 {
+            store.set(&key("world_size"), world_size.to_string().as_bytes())?;
+        }
+        let theirs = String::from_utf8_lossy(&store.get(&key("world_size"))?).into_owned();
+        if theirs != world_size.to_string() {
+            return Err(setup(format!(
+                "world size mismatch: this rank was started with WORLD_SIZE={world_size} but rank 0 \
+                 with WORLD_SIZE={theirs}"
+            )));
+        }
+
+        let ip = store.local_ip()?;
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| CommError::Io {
+            context: format!("rank {rank}: listening on {ip}"),
+            source: e,
+        })?;
+        let me = listener.local_addr().map_err(|e| CommError::Io {
+            context: "listener address".into(),
+            source: e,
+        })?;
+        store.set(&key(&format!("addr/{rank}")), me.to_string().as_bytes())?;
+
+        let deadline = Instant::now() + options.timeout;
+        let mut streams: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
+        // Lower ranks accept, higher ranks connect: each pair connects exactly once.
+        for peer in 0..rank {
+            let addr = String::from_utf8_lossy(&store.get(&key(&format!("addr/{peer}")))?)
+                .into_owned();
+            let stream = connect_until(&addr, deadline)
+                .map_err(|e| setup(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
+            let mut hello = Vec::with_capacity(16);
+            for v in [HELLO_MAGIC, PROTOCOL_VERSION, rank as u32, world_size as u32] {
+                hello.extend_from_slice(&v.to_le_bytes());
+            }
+            (&stream)
+                .write_all(&hello)
+                .map_err(|e| setup(format!("hello to rank {peer}: {e}")))?;
+            streams[peer] = Some(stream);
+        }
+        listener.set_nonblocking(true).map_err(|e| CommError::Io {
+            context: "listener".into(),
+            source: e,
+        })?;
+        let mut pending = world_size - 1 - rank;
+        while pending > 0 {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    stream.set_nonblocking(false).map_err(|e| CommError::Io {
+                        context: "accepted connection".into(),
+                        source: e,
+                    })?;
+                    let peer = read_hello(&stream, world_size, deadline)
+                        .map_err(|e| setup(format!("connection from {from}: {e}")))?;
+                    if peer <= rank || streams[peer].is_some() {
+                        return Err(setup(format!("unexpected connection from rank {peer}")));
+                    }
+                    streams[peer] = Some(stream);
+                    pending -= 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let missing: Vec<usize> =
+                            (rank + 1..world_size).filter(|p| streams[*p].is_none()).collect();
+                        return Err(setup(format!(
+                            "timed out after {:?} waiting for ranks {missing:?} to connect",
+                            options.timeout
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(setup(format!("accept failed: {e}"))),
+            }
+        }
+
+        let mailbox = Arc::new(Mailbox::default());
+        let mut peers = Vec::with_capacity(world_size);
+        for (peer, stream) in streams.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                peers.push(None);
+                continue;
+            };
+            let io = |e| CommError::Io {
+                context: format!("configuring the connection to rank {peer}"),
+                source: e,
+            };
+            stream.set_nodelay(true).map_err(io)?;
+            // A peer that stops reading (hung, not dead) must not block this rank forever.
+            stream.set_write_timeout(Some(options.timeout)).map_err(io)?;
+            let reader = stream.try_clone().map_err(io)?;
+            let mb = mailbox.clone();
+            std::thread::Builder::new()
+                .name(format!("kiln-tcp-recv-{peer}"))
+                .spawn(move || read_loop(peer, reader, mb))
+                .map_err(|e| CommError::Io {
+                    context: "spawning a reader thread".into(),
+                    source: e,
+                })?;
+            peers.push(Some(Mutex::new(stream)));
+        }
+        let transport = Arc::new(TcpTransport {
+            rank,
+            world_size,
+            peers,
+            mailbox,
+            failure: FailureNote::default(),
+        });
+        let group = TcpGroup {
+            core: GroupCore::world(transport, options),
+            store,
+            _server: None,
+        };
+        crate::ProcessGroup::barrier(&group)?;
+        Ok(group)
+    }
+
+    /// The rendezvous store this group was set up through.
+    pub fn store(&self) -> &Arc<StoreClient> {
+        &self.store
+    }
+
+    fn from_core(core: GroupCore, parent: &Self) -> Self {
+        TcpGroup {
+            core,
+            store: parent.store.clone(),
+            _server: parent._server.clone(),
+        }
+    }
+}
+
+delegate_process_group!(TcpGroup);
+
+fn connect_until(addr: &str, deadline: Instant) -> std::io::Result<TcpStream> {
+    let target: SocketAddr = addr
+        .parse()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{e}")))?;
+    loop {
+        match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn read_hello(stream: &TcpStream, world_size: usize, deadline: Instant) -> Result<usize, String> {
+    let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+    stream.set_read_timeout(Some(wait)).map_err(|e| e.to_string())?;
+    let mut b = [0u8; 16];
+    (&*stream).read_exact(&mut b).map_err(|e| format!("no hello: {e}"))?;
+    stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+    let word = |i: usize| u32::from_le_bytes(b[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
+    if word(0) != HELLO_MAGIC {
+        return Err("not a kiln peer (bad hello)".into());
+    }
+    if word(1) != PROTOCOL_VERSION {
+        return Err(format!(
+            "protocol version {} but this rank speaks {PROTOCOL_VERSION}",
+            word(1)
+        ));
+    }
+    if word(3) as usize != world_size {
+        return Err(format!(
+            "peer rank {} has world size {} but this rank has {world_size}",
+            word(2),
+            word(3)
+        ));
+    }
+    let peer = word(2) as usize;
+    if peer >= world_size {
+        return Err(format!("peer rank {peer} out of range"));
+    }
+    Ok(peer)
+}
