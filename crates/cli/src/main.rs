@@ -1,1 +1,93 @@
-fn main(){}
+//! The `kiln` command.
+//!
+//! - `kiln launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
+//!   -- PROGRAM ARGS...` starts a job's local ranks.
+//! - `kiln comm-check [--backend tcp|nccl]` verifies every collective on the job it runs in
+//!   (start it under `kiln launch`, torchrun, srun or mpirun).
+
+mod launch;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use kiln_comm::{ProcessGroup, ReduceOp, TcpGroup, selftest};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Parser)]
+#[command(name = "kiln", version, about = "Train Burn models data-parallel, sharded, pipelined")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start the local ranks of a (possibly multi-node) job.
+    Launch(launch::LaunchArgs),
+    /// Check every collective and element type on this job's process group.
+    CommCheck(CommCheckArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct CommCheckArgs {
+    /// The process group implementation.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "nccl"])]
+    backend: String,
+    /// After the check, keep all-reducing for this many seconds (for fault drills).
+    #[arg(long, default_value_t = 0.0)]
+    soak: f64,
+}
+
+fn comm_check(args: &CommCheckArgs) -> Result<()> {
+    let group: Box<dyn ProcessGroup> = match args.backend.as_str() {
+        "tcp" => Box::new(TcpGroup::from_env()?),
+        #[cfg(feature = "nccl")]
+        "nccl" => Box::new(kiln_comm::NcclGroup::from_env()?),
+        _ => anyhow::bail!(
+            "backend '{}' is not built in: rebuild with `--features nccl`",
+            args.backend
+        ),
+    };
+    let start = Instant::now();
+    let report = selftest::run(group.as_ref()).map_err(anyhow::Error::msg)?;
+    println!(
+        "rank {} of {}: {} collective checks passed on {} in {:.2}s",
+        group.rank(),
+        group.world_size(),
+        report.checks,
+        group.backend(),
+        start.elapsed().as_secs_f64()
+    );
+    if args.soak > 0.0 {
+        println!("soak: all-reducing for {:.0}s", args.soak);
+        let end = Instant::now() + Duration::from_secs_f64(args.soak);
+        let mut buf = vec![1.0f32; 1 << 16];
+        while Instant::now() < end {
+            group.all_reduce((&mut buf[..]).into(), ReduceOp::Avg)?;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        group.barrier()?;
+        println!("soak done");
+    }
+    Ok(())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match &cli.command {
+        Command::Launch(args) => match launch::launch(args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("kiln launch: error: {e:#}");
+                2
+            }
+        },
+        Command::CommCheck(args) => match comm_check(args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("kiln comm-check: error: {e:#}");
+                1
+            }
+        },
+    };
+    std::process::exit(code);
+}
