@@ -6,6 +6,7 @@
 //!   (start it under `kiln launch`, torchrun, srun or mpirun).
 
 mod launch;
+mod verify_hf;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -25,6 +26,8 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Check every collective and element type on this job's process group.
     CommCheck(CommCheckArgs),
+    /// Compare a Hugging Face model directory with its PyTorch reference numbers.
+    VerifyHf(verify_hf::VerifyHfArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -86,6 +89,13 @@ fn main() {
             Err(e) => {
                 eprintln!("kiln comm-check: error: {e:#}");
                 1
+            }
+        },
+        Command::VerifyHf(args) => match verify_hf::verify_hf(args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("kiln verify-hf: error: {e:#}");
+                2
             }
         },
     };

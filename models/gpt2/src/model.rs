@@ -1,0 +1,266 @@
+//! The GPT-2 modules, their fields named as Hugging Face's so that Burn paths are checkpoint names.
+
+use crate::{Gelu, Gpt2Config};
+use burn::module::{Initializer, Module};
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln_hf::{CausalLm, HfNaming, HfTensorName};
+
+/// GPT-2 initialisation: N(0, 0.02) (biases too; Hugging Face zeroes them, which only matters for
+/// training from scratch).
+const INIT: Initializer = Initializer::Normal {
+    mean: 0.0,
+    std: 0.02,
+};
+
+fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
+    LinearConfig::new(d_in, d_out)
+        .with_bias(bias)
+        .with_initializer(INIT)
+        .init(device)
+}
+
+/// Causal self-attention with fused QKV projection (`c_attn`: `[n_embd, 3 n_embd]`).
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// Fused query, key, value projection.
+    pub c_attn: Linear<B>,
+    /// Output projection.
+    pub c_proj: Linear<B>,
+    n_head: usize,
+    /// Multiplies the scores: `1/sqrt(head_dim)`, further `/(layer + 1)` when configured.
+    scale: f64,
+}
+
+impl<B: Backend> Attention<B> {
+    fn forward(&self, x: Tensor<B, 3>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
+        let [batch, seq, d] = x.dims();
+        let head_dim = d / self.n_head;
+        let qkv = self.c_attn.forward(x);
+        let head = |i: usize| {
+            qkv.clone()
+                .slice([0..batch, 0..seq, i * d..(i + 1) * d])
+                .reshape([batch, seq, self.n_head, head_dim])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (head(0), head(1), head(2));
+        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(self.scale) + mask.clone();
+        let out = softmax(scores, 3).matmul(v);
+        self.c_proj
+            .forward(out.swap_dims(1, 2).reshape([batch, seq, d]))
+    }
+}
+
+/// The feed-forward block.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// Up projection.
+    pub c_fc: Linear<B>,
+    /// Down projection.
+    pub c_proj: Linear<B>,
+    tanh_gelu: bool,
+}
+
+/// HF `gelu_new`, in its order of operations: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³)))`.
+/// (Burn's `gelu_approximate` computes `x³` with `powf`, which is undefined for negative `x` on
+/// some backends.)
+fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let cube = x.clone() * x.clone() * x.clone();
+    let inner = (x.clone() + cube.mul_scalar(0.044715)).mul_scalar((2.0 / std::f64::consts::PI).sqrt());
+    x.mul_scalar(0.5) * (inner.tanh() + 1.0)
+}
+
+impl<B: Backend> Mlp<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let h = self.c_fc.forward(x);
+        let h = if self.tanh_gelu { gelu_tanh(h) } else { gelu(h) };
+        self.c_proj.forward(h)
+    }
+}
+
+/// A pre-norm transformer block.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    /// Norm before attention.
+    pub ln_1: LayerNorm<B>,
+    /// Attention.
+    pub attn: Attention<B>,
+    /// Norm before the MLP.
+    pub ln_2: LayerNorm<B>,
+    /// The MLP.
+    pub mlp: Mlp<B>,
+}
+
+impl<B: Backend> Block<B> {
+    fn forward(&self, x: Tensor<B, 3>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
+        let x = x.clone() + self.attn.forward(self.ln_1.forward(x), mask);
+        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    }
+}
+
+/// Embeddings, blocks and the final norm (HF `GPT2Model`).
+#[derive(Module, Debug)]
+pub struct Gpt2Transformer<B: Backend> {
+    /// Token embedding `[vocab, n_embd]` (also the head when tied).
+    pub wte: Embedding<B>,
+    /// Learned positions `[n_positions, n_embd]`.
+    pub wpe: Embedding<B>,
+    /// The blocks.
+    pub h: Vec<Block<B>>,
+    /// Final norm.
+    pub ln_f: LayerNorm<B>,
+}
+
+/// GPT-2 with its language-model head (HF `GPT2LMHeadModel`).
+#[derive(Module, Debug)]
+pub struct Gpt2<B: Backend> {
+    /// The body.
+    pub transformer: Gpt2Transformer<B>,
+    /// An untied head `[n_embd, vocab]`; `None` when the head is `wte` (the usual case).
+    pub lm_head: Option<Linear<B>>,
+    n_positions: usize,
+}
+
+impl Gpt2Config {
+    /// A model with random weights (lazily initialised, so loading weights right after costs no
+    /// random init).
+    ///
+    /// # Panics
+    /// If the config does not [`validate`](Self::validate).
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Gpt2<B> {
+        if let Err(reason) = self.validate() {
+            panic!("invalid GPT-2 config: {reason}");
+        }
+        let d = self.n_embd;
+        let head_dim = (d / self.n_head) as f64;
+        let tanh_gelu = self.gelu().expect("validated") == Gelu::Tanh;
+        let norm = || {
+            LayerNormConfig::new(d)
+                .with_epsilon(self.layer_norm_epsilon)
+                .init(device)
+        };
+        let h = (0..self.n_layer)
+            .map(|layer| {
+                let mut scale = if self.scale_attn_weights {
+                    1.0 / head_dim.sqrt()
+                } else {
+                    1.0
+                };
+                if self.scale_attn_by_inverse_layer_idx {
+                    scale /= (layer + 1) as f64;
+                }
+                Block {
+                    ln_1: norm(),
+                    attn: Attention {
+                        c_attn: linear(d, 3 * d, true, device),
+                        c_proj: linear(d, d, true, device),
+                        n_head: self.n_head,
+                        scale,
+                    },
+                    ln_2: norm(),
+                    mlp: Mlp {
+                        c_fc: linear(d, self.inner_size(), true, device),
+                        c_proj: linear(self.inner_size(), d, true, device),
+                        tanh_gelu,
+                    },
+                }
+            })
+            .collect();
+        let embedding = |n| EmbeddingConfig::new(n, d).with_initializer(INIT).init(device);
+        Gpt2 {
+            transformer: Gpt2Transformer {
+                wte: embedding(self.vocab_size),
+                wpe: embedding(self.n_positions),
+                h,
+                ln_f: norm(),
+            },
+            lm_head: (!self.tie_word_embeddings).then(|| linear(d, self.vocab_size, false, device)),
+            n_positions: self.n_positions,
+        }
+    }
+}
+
+/// `[1, 1, seq, seq]`: 0 where a position may attend, `f32::MIN` above the diagonal (as HF's eager
+/// attention; finite so that no `inf - inf` can appear).
+pub(crate) fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
+    let values: Vec<f32> = (0..seq * seq)
+        .map(|i| if i % seq > i / seq { f32::MIN } else { 0.0 })
+        .collect();
+    Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
+}
+
+impl<B: Backend> Gpt2<B> {
+    /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]`.
+    ///
+    /// # Panics
+    /// If `seq` exceeds `n_positions`.
+    pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [batch, seq] = input_ids.dims();
+        assert!(
+            seq <= self.n_positions,
+            "GPT-2 forward: sequence length {seq} exceeds n_positions({})",
+            self.n_positions
+        );
+        let device = input_ids.device();
+        let t = &self.transformer;
+        let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &device).reshape([1, seq]);
+        let mut x = t.wte.forward(input_ids) + t.wpe.forward(positions);
+        let mask = causal_mask(seq, &device);
+        for block in &t.h {
+            x = block.forward(x, &mask);
+        }
+        let x = t.ln_f.forward(x);
+        match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => {
+                let [vocab, d] = t.wte.weight.dims();
+                x.reshape([batch * seq, d])
+                    .matmul(t.wte.weight.val().transpose())
+                    .reshape([batch, seq, vocab])
+            }
+        }
+    }
+}
+
+impl<B: Backend> CausalLm<B> for Gpt2<B> {
+    fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        Gpt2::forward(self, input_ids)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.transformer.wte.weight.dims()[0]
+    }
+
+    fn max_seq_len(&self) -> Option<usize> {
+        Some(self.n_positions)
+    }
+}
+
+impl<B: Backend> HfNaming for Gpt2<B> {
+    /// Burn paths are the checkpoint names, except LayerNorm's `gamma`/`beta` (HF `weight`/`bias`).
+    /// HF's Conv1D stores `[in, out]`, Burn's layout: nothing is transposed but an untied
+    /// `lm_head` (an `nn.Linear`).
+    fn hf_tensor(burn_path: &str) -> HfTensorName {
+        let name = if let Some(prefix) = burn_path.strip_suffix(".gamma") {
+            format!("{prefix}.weight")
+        } else if let Some(prefix) = burn_path.strip_suffix(".beta") {
+            format!("{prefix}.bias")
+        } else {
+            burn_path.to_string()
+        };
+        HfTensorName {
+            transposed: name == "lm_head.weight",
+            name,
+        }
+    }
+
+    /// The key third of each block's fused QKV bias (`c_attn.bias[n_embd..2 n_embd]`).
+    fn zero_gradient_parts(&self) -> Vec<(String, std::ops::Range<usize>)> {
+        let d = self.transformer.wte.weight.dims()[1];
+        (0..self.transformer.h.len())
+            .map(|i| (format!("transformer.h.{i}.attn.c_attn.bias"), d..2 * d))
+            .collect()
+    }
+}

@@ -1,0 +1,315 @@
+//! Hugging Face weights for any Burn module: load, save, and per-parameter views in HF names.
+//!
+//! The safetensors crate is used directly rather than `burn-store`'s `SafetensorsStore`: one naming
+//! table per model ([`HfNaming`]) then serves loading, saving, gradient norms and the final-weight
+//! comparison of parity checks (burn-store's key remapper covers loading and saving only), the layout
+//! is chosen per tensor name (GPT-2's Conv1D `[in, out]` is Burn's own layout, Llama's `nn.Linear`
+//! `[out, in]` is transposed, whereas burn-store's adapters transpose by Burn container type), and
+//! errors speak in Hugging Face names and shapes.
+
+use crate::{HfError, SafetensorsFile};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor, TensorData};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Where a Burn parameter lives in a Hugging Face checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HfTensorName {
+    /// The tensor name in the checkpoint, e.g. `model.layers.0.self_attn.q_proj.weight`.
+    pub name: String,
+    /// Whether the checkpoint stores the transpose of the Burn parameter (a PyTorch `nn.Linear`
+    /// weight is `[out, in]`, Burn's `Linear` is `[in, out]`). Only rank-2 parameters are transposed.
+    pub transposed: bool,
+}
+
+/// A model whose parameters map one-to-one to Hugging Face tensors.
+pub trait HfNaming {
+    /// The checkpoint tensor for the Burn parameter at `burn_path` (field names joined by `.`, Vec
+    /// indices as numbers, e.g. `model.layers.0.input_layernorm.gamma`).
+    fn hf_tensor(burn_path: &str) -> HfTensorName;
+
+    /// Parts of checkpoint tensors (element ranges of the flattened tensor, in the checkpoint's
+    /// layout) on which the loss does not depend in exact arithmetic, such as an attention key bias:
+    /// it adds `q·b` to every score of a softmax row, which softmax ignores. Their gradient is
+    /// rounding noise, which Adam normalises into real updates (`|g| ~ 1e-9` against `eps = 1e-8`
+    /// gives steps of ~`0.1 lr`), so their trained values are noise no implementation can reproduce.
+    /// Parity checks therefore compare the rest of those tensors, and check that the gradient on
+    /// these parts is negligible instead. None by default.
+    fn zero_gradient_parts(&self) -> Vec<(String, std::ops::Range<usize>)> {
+        Vec::new()
+    }
+}
+
+/// Tracks the Burn module path through `enter_module`/`exit_module`.
+#[derive(Debug, Default)]
+struct PathStack(Vec<String>);
+
+impl PathStack {
+    fn enter(&mut self, name: &str) {
+        self.0.push(name.to_string());
+    }
+    fn exit(&mut self) {
+        self.0.pop();
+    }
+    fn path(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+fn hf_shape(burn_shape: &[usize], transposed: bool, name: &str) -> Vec<usize> {
+    if transposed {
+        assert_eq!(
+            burn_shape.len(),
+            2,
+            "naming bug: '{name}' is marked transposed but its Burn shape {burn_shape:?} is not rank 2"
+        );
+        vec![burn_shape[1], burn_shape[0]]
+    } else {
+        burn_shape.to_vec()
+    }
+}
+
+struct Loader<'a, M> {
+    file: &'a SafetensorsFile,
+    path: PathStack,
+    error: Option<HfError>,
+    _model: std::marker::PhantomData<M>,
+}
+
+impl<B: Backend, M: HfNaming> ModuleMapper<B> for Loader<'_, M> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.enter(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if self.error.is_some() {
+            return param;
+        }
+        let hf = M::hf_tensor(&self.path.path());
+        let expected = hf_shape(&param.lazy_shape().to_vec(), hf.transposed, &hf.name);
+        match self.file.float(&hf.name, Some(&expected)) {
+            Ok(data) => {
+                let device = param.lazy_device();
+                let mut tensor = Tensor::<B, D>::from_data(data, &device);
+                if hf.transposed {
+                    tensor = tensor.transpose();
+                }
+                let id = param.id;
+                param.transform_for_load(tensor, id)
+            }
+            Err(e) => {
+                self.error = Some(e);
+                param
+            }
+        }
+    }
+}
+
+/// Replaces every parameter of `model` by the tensor of `file` its [`HfNaming`] names, converted to
+/// Burn's layout and placed on the parameter's device. Tensors of the file the model does not use
+/// (e.g. a tied `lm_head.weight` or old attention-mask buffers) are ignored, as transformers does.
+///
+/// # Errors
+/// The first [`HfError::MissingTensor`] or [`HfError::ShapeMismatch`] (in the file's names and
+/// layout, both shapes given), or [`HfError::Dtype`].
+pub fn load_weights<B: Backend, M: Module<B> + HfNaming>(
+    model: M,
+    file: &SafetensorsFile,
+) -> Result<M, HfError> {
+    let mut loader = Loader::<M> {
+        file,
+        path: PathStack::default(),
+        error: None,
+        _model: std::marker::PhantomData,
+    };
+    let model = model.map(&mut loader);
+    match loader.error {
+        Some(e) => Err(e),
+        None => Ok(model),
+    }
+}
+
+struct Collector<M> {
+    path: PathStack,
+    tensors: Vec<(String, TensorData)>,
+    _model: std::marker::PhantomData<M>,
+}
+
+impl<B: Backend, M: HfNaming> ModuleVisitor<B> for Collector<M> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.enter(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let hf = M::hf_tensor(&self.path.path());
+        let mut tensor = param.val();
+        if hf.transposed {
+            hf_shape(&tensor.dims(), true, &hf.name);
+            tensor = tensor.transpose();
+        }
+        let data = tensor
+            .into_data()
+            .convert::<f32>();
+        self.tensors.push((hf.name, data));
+    }
+}
+
+/// Every parameter of `model` as `f32` data in the checkpoint's names and layout, in module order.
+pub fn hf_tensors<B: Backend, M: Module<B> + HfNaming>(model: &M) -> Vec<(String, TensorData)> {
+    let mut collector = Collector::<M> {
+        path: PathStack::default(),
+        tensors: Vec::new(),
+        _model: std::marker::PhantomData,
+    };
+    model.visit(&mut collector);
+    collector.tensors
+}
+
+struct F32View<'a>(&'a TensorData);
+
+impl safetensors::View for F32View<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(self.0.as_bytes())
+    }
+    fn data_len(&self) -> usize {
+        self.0.as_bytes().len()
+    }
+}
+
+/// Writes every parameter of `model` to `path` as float32 safetensors in the checkpoint's names and
+/// shapes (with `__metadata__ = {"format": "pt"}`, as transformers writes), so that
+/// `transformers`' `from_pretrained` loads it.
+///
+/// # Errors
+/// [`HfError::Io`] when the file cannot be written.
+pub fn save_weights<B: Backend, M: Module<B> + HfNaming>(
+    model: &M,
+    path: impl AsRef<Path>,
+) -> Result<(), HfError> {
+    write_tensors(path, &hf_tensors(model))
+}
+
+/// Writes `tensors` (converted to float32) to `path` as safetensors with
+/// `__metadata__ = {"format": "pt"}`.
+///
+/// # Errors
+/// [`HfError::Io`] when the file cannot be written.
+pub fn write_tensors(path: impl AsRef<Path>, tensors: &[(String, TensorData)]) -> Result<(), HfError> {
+    let path = path.as_ref();
+    let tensors: Vec<(&str, Cow<'_, TensorData>)> = tensors
+        .iter()
+        .map(|(name, data)| {
+            let data = if data.dtype == DType::F32 {
+                Cow::Borrowed(data)
+            } else {
+                Cow::Owned(data.clone().convert::<f32>())
+            };
+            (name.as_str(), data)
+        })
+        .collect();
+    let views = tensors.iter().map(|(name, data)| (*name, F32View(data)));
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(source) => HfError::Io {
+            op: "write",
+            path: path.to_path_buf(),
+            source,
+        },
+        other => HfError::Safetensors {
+            path: path.to_path_buf(),
+            reason: other.to_string(),
+        },
+    })
+}
+
+struct GradNorms<'a, B: AutodiffBackend, M> {
+    grads: &'a B::Gradients,
+    path: PathStack,
+    norms: Vec<(String, Option<f64>)>,
+    /// Whose gradients to return whole, in the checkpoint layout.
+    wanted: &'a [String],
+    whole: Vec<(String, TensorData)>,
+    _model: std::marker::PhantomData<M>,
+}
+
+impl<B: AutodiffBackend, M: HfNaming> ModuleVisitor<B> for GradNorms<'_, B, M> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.enter(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.exit();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let hf = M::hf_tensor(&self.path.path());
+        let grad = param.val().grad(self.grads);
+        if let Some(g) = &grad
+            && self.wanted.contains(&hf.name)
+        {
+            let g = if hf.transposed { g.clone().transpose() } else { g.clone() };
+            self.whole.push((hf.name.clone(), g.into_data().convert::<f32>()));
+        }
+        let norm = grad.map(|g| {
+            let sum_sq: f64 = g.square().sum().into_scalar().elem_into();
+            sum_sq.sqrt()
+        });
+        self.norms.push((hf.name, norm));
+    }
+}
+
+/// The L2 norm of each parameter's gradient in `grads`, by checkpoint name, in module order; `None`
+/// for a parameter the loss does not depend on. (The norm is layout-independent.)
+pub fn hf_grad_norms<B: AutodiffBackend, M: Module<B> + HfNaming>(
+    model: &M,
+    grads: &B::Gradients,
+) -> Vec<(String, Option<f64>)> {
+    hf_grads(model, grads, &[]).0
+}
+
+/// As [`hf_grad_norms`], and also the whole gradients (`f32`, checkpoint layout) of the parameters
+/// named in `wanted` that have one.
+pub fn hf_grads<B: AutodiffBackend, M: Module<B> + HfNaming>(
+    model: &M,
+    grads: &B::Gradients,
+    wanted: &[String],
+) -> (Vec<(String, Option<f64>)>, Vec<(String, TensorData)>) {
+    let mut visitor = GradNorms::<B, M> {
+        grads,
+        path: PathStack::default(),
+        norms: Vec::new(),
+        wanted,
+        whole: Vec::new(),
+        _model: std::marker::PhantomData,
+    };
+    model.visit(&mut visitor);
+    (visitor.norms, visitor.whole)
+}
+
+/// `f32`/`f64` scalar conversion without naming Burn's element traits at every call.
+trait ElemInto {
+    fn elem_into(self) -> f64;
+}
+
+impl<E: burn::tensor::ElementConversion> ElemInto for E {
+    fn elem_into(self) -> f64 {
+        self.elem::<f64>()
+    }
+}

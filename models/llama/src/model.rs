@@ -1,0 +1,304 @@
+//! The Llama modules, their fields named as Hugging Face's so that Burn paths are checkpoint names.
+
+use crate::LlamaConfig;
+use burn::module::{Initializer, Module};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln_hf::{CausalLm, HfNaming, HfTensorName};
+
+/// Llama initialisation: N(0, 0.02) (`initializer_range`).
+const INIT: Initializer = Initializer::Normal {
+    mean: 0.0,
+    std: 0.02,
+};
+
+fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
+    LinearConfig::new(d_in, d_out)
+        .with_bias(bias)
+        .with_initializer(INIT)
+        .init(device)
+}
+
+/// Rotary position embedding tables, computed as transformers' default RoPE does: in float32,
+/// `inv_freq[i] = 1 / theta^(2i / head_dim)`, angle `= position * inv_freq`, both halves of the head
+/// rotated by the same frequencies (`rotate_half`, not interleaved pairs).
+#[derive(Debug, Clone, Copy)]
+pub struct Rope {
+    theta: f64,
+    head_dim: usize,
+}
+
+impl Rope {
+    /// `(cos, sin)`, each `[1, 1, seq, head_dim]`.
+    fn tables<B: Backend>(&self, seq: usize, device: &B::Device) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let half = self.head_dim / 2;
+        let theta = self.theta as f32;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / self.head_dim as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(seq * self.head_dim);
+        let mut sin = Vec::with_capacity(seq * self.head_dim);
+        for pos in 0..seq {
+            for j in 0..self.head_dim {
+                let angle = pos as f32 * inv_freq[j % half];
+                cos.push(f64::from(angle).cos() as f32);
+                sin.push(f64::from(angle).sin() as f32);
+            }
+        }
+        let shape = [1, 1, seq, self.head_dim];
+        (
+            Tensor::from_data(TensorData::new(cos, shape), device),
+            Tensor::from_data(TensorData::new(sin, shape), device),
+        )
+    }
+
+    /// `x * cos + rotate_half(x) * sin` for `x` `[batch, heads, seq, head_dim]`.
+    fn apply<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, h, t, d] = x.dims();
+        let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
+        let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        x * cos.clone() + rotated * sin.clone()
+    }
+}
+
+/// Grouped-query self-attention with rotary positions.
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// Query projection `[hidden, heads * head_dim]`.
+    pub q_proj: Linear<B>,
+    /// Key projection `[hidden, kv_heads * head_dim]`.
+    pub k_proj: Linear<B>,
+    /// Value projection `[hidden, kv_heads * head_dim]`.
+    pub v_proj: Linear<B>,
+    /// Output projection `[heads * head_dim, hidden]`.
+    pub o_proj: Linear<B>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        mask: &Tensor<B, 4>,
+    ) -> Tensor<B, 3> {
+        let [batch, seq, _] = x.dims();
+        let (h, kv, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let split = |t: Tensor<B, 3>, heads: usize| t.reshape([batch, seq, heads, d]).swap_dims(1, 2);
+        let q = Rope::apply(split(self.q_proj.forward(x.clone()), h), cos, sin);
+        let k = Rope::apply(split(self.k_proj.forward(x.clone()), kv), cos, sin);
+        let v = split(self.v_proj.forward(x), kv);
+        // Query head i reads key/value head i / (h / kv), as transformers' `repeat_kv`.
+        let repeat = |t: Tensor<B, 4>| {
+            if h == kv {
+                t
+            } else {
+                t.unsqueeze_dim::<5>(2)
+                    .repeat_dim(2, h / kv)
+                    .reshape([batch, h, seq, d])
+            }
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (d as f64).sqrt())
+            + mask.clone();
+        let out = softmax(scores, 3).matmul(v);
+        self.o_proj
+            .forward(out.swap_dims(1, 2).reshape([batch, seq, h * d]))
+    }
+}
+
+/// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// Gate projection.
+    pub gate_proj: Linear<B>,
+    /// Up projection.
+    pub up_proj: Linear<B>,
+    /// Down projection.
+    pub down_proj: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate = silu(self.gate_proj.forward(x.clone()));
+        self.down_proj.forward(gate * self.up_proj.forward(x))
+    }
+}
+
+/// A pre-norm decoder layer.
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    /// Attention.
+    pub self_attn: Attention<B>,
+    /// The MLP.
+    pub mlp: Mlp<B>,
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm<B>,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm<B>,
+}
+
+/// Embedding, layers and the final norm (HF `LlamaModel`).
+#[derive(Module, Debug)]
+pub struct LlamaModel<B: Backend> {
+    /// Token embedding `[vocab, hidden]`.
+    pub embed_tokens: Embedding<B>,
+    /// The layers.
+    pub layers: Vec<DecoderLayer<B>>,
+    /// Final norm.
+    pub norm: RmsNorm<B>,
+    rope: Rope,
+}
+
+/// A Llama-family causal LM (HF `LlamaForCausalLM`).
+#[derive(Module, Debug)]
+pub struct Llama<B: Backend> {
+    /// The body.
+    pub model: LlamaModel<B>,
+    /// The head `[hidden, vocab]`; `None` when tied to `embed_tokens`.
+    pub lm_head: Option<Linear<B>>,
+}
+
+impl LlamaConfig {
+    /// A model with random weights (lazily initialised, so loading weights right after costs no
+    /// random init).
+    ///
+    /// # Panics
+    /// If the config does not [`validate`](Self::validate).
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Llama<B> {
+        if let Err(reason) = self.validate() {
+            panic!("invalid Llama config: {reason}");
+        }
+        let (hidden, d) = (self.hidden_size, self.head_size());
+        let (h, kv) = (self.num_attention_heads, self.kv_heads());
+        let norm = || {
+            RmsNormConfig::new(hidden)
+                .with_epsilon(self.rms_norm_eps)
+                .init(device)
+        };
+        let (attn_bias, mlp_bias) = (self.attention_bias, self.mlp_bias);
+        let layers = (0..self.num_hidden_layers)
+            .map(|_| DecoderLayer {
+                self_attn: Attention {
+                    q_proj: linear(hidden, h * d, attn_bias, device),
+                    k_proj: linear(hidden, kv * d, attn_bias, device),
+                    v_proj: linear(hidden, kv * d, attn_bias, device),
+                    o_proj: linear(h * d, hidden, attn_bias, device),
+                    n_heads: h,
+                    n_kv_heads: kv,
+                    head_dim: d,
+                },
+                mlp: Mlp {
+                    gate_proj: linear(hidden, self.intermediate_size, mlp_bias, device),
+                    up_proj: linear(hidden, self.intermediate_size, mlp_bias, device),
+                    down_proj: linear(self.intermediate_size, hidden, mlp_bias, device),
+                },
+                input_layernorm: norm(),
+                post_attention_layernorm: norm(),
+            })
+            .collect();
+        Llama {
+            model: LlamaModel {
+                embed_tokens: EmbeddingConfig::new(self.vocab_size, hidden)
+                    .with_initializer(INIT)
+                    .init(device),
+                layers,
+                norm: norm(),
+                rope: Rope {
+                    theta: self.theta(),
+                    head_dim: d,
+                },
+            },
+            lm_head: (!self.tie_word_embeddings)
+                .then(|| linear(hidden, self.vocab_size, false, device)),
+        }
+    }
+}
+
+/// `[1, 1, seq, seq]`: 0 where a position may attend, `f32::MIN` above the diagonal (finite, as
+/// transformers' eager mask, so that no `inf - inf` can appear).
+fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
+    let values: Vec<f32> = (0..seq * seq)
+        .map(|i| if i % seq > i / seq { f32::MIN } else { 0.0 })
+        .collect();
+    Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
+}
+
+impl<B: Backend> Llama<B> {
+    /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]`.
+    pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [batch, seq] = input_ids.dims();
+        let device = input_ids.device();
+        let m = &self.model;
+        let (cos, sin) = m.rope.tables::<B>(seq, &device);
+        let mask = causal_mask(seq, &device);
+        let mut x = m.embed_tokens.forward(input_ids);
+        for layer in &m.layers {
+            let attn = layer
+                .self_attn
+                .forward(layer.input_layernorm.forward(x.clone()), &cos, &sin, &mask);
+            x = x + attn;
+            x = x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x));
+        }
+        let x = m.norm.forward(x);
+        match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => {
+                let [vocab, hidden] = m.embed_tokens.weight.dims();
+                x.reshape([batch * seq, hidden])
+                    .matmul(m.embed_tokens.weight.val().transpose())
+                    .reshape([batch, seq, vocab])
+            }
+        }
+    }
+}
+
+impl<B: Backend> CausalLm<B> for Llama<B> {
+    fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        Llama::forward(self, input_ids)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.embed_tokens.weight.dims()[0]
+    }
+
+    fn max_seq_len(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl<B: Backend> HfNaming for Llama<B> {
+    /// Burn paths are the checkpoint names, except RMSNorm's `gamma` (HF `weight`). Projection and
+    /// head weights are PyTorch `nn.Linear`, `[out, in]`: transposed.
+    fn hf_tensor(burn_path: &str) -> HfTensorName {
+        let name = match burn_path.strip_suffix(".gamma") {
+            Some(prefix) => format!("{prefix}.weight"),
+            None => burn_path.to_string(),
+        };
+        HfTensorName {
+            transposed: name.ends_with("_proj.weight") || name == "lm_head.weight",
+            name,
+        }
+    }
+
+    /// `k_proj.bias` of every layer, when the config has attention biases.
+    fn zero_gradient_parts(&self) -> Vec<(String, std::ops::Range<usize>)> {
+        self.model
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, layer)| {
+                let bias = layer.self_attn.k_proj.bias.as_ref()?;
+                Some((format!("model.layers.{i}.self_attn.k_proj.bias"), 0..bias.dims()[0]))
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,66 @@
+//! Every model kiln knows, chosen by a Hugging Face `config.json`'s `model_type`, and the PyTorch
+//! parity check of a model directory (what `kiln verify-hf DIR` runs).
+//!
+//! The model crates cannot depend on each other, and `kiln-hf` (which they use) cannot depend on
+//! them: dispatching on `model_type` therefore lives here, one level above.
+//!
+//! ```no_run
+//! use burn::backend::{Autodiff, Flex};
+//! use kiln_hf::verify::Tolerances;
+//!
+//! let dir = "models/hf/tests/fixtures/tiny-llama";
+//! let report = kiln_zoo::verify_dir::<Autodiff<Flex>>(dir, &Tolerances::default(), &Default::default())?;
+//! assert!(report.passed());
+//! # Ok::<(), kiln_hf::HfError>(())
+//! ```
+#![warn(missing_docs)]
+
+use burn::tensor::backend::AutodiffBackend;
+use kiln_gpt2::Gpt2;
+use kiln_hf::verify::{Tolerances, VerifyReport, verify_model};
+use kiln_hf::{HfError, REFERENCE_FILE, Reference, config_path, model_type};
+use kiln_llama::Llama;
+use std::path::Path;
+
+/// The `model_type`s kiln implements.
+pub const MODEL_TYPES: [&str; 2] = ["gpt2", "llama"];
+
+/// Verifies the model directory `dir` (`config.json`, `model.safetensors`,
+/// `reference.safetensors`) against PyTorch's numbers on backend `B`: see
+/// [`kiln_hf::verify::verify_model`].
+///
+/// # Errors
+/// A missing or invalid config, an unsupported `model_type`, a missing or malformed weights or
+/// reference file, a missing or mis-shaped tensor.
+pub fn verify_dir<B: AutodiffBackend>(
+    dir: impl AsRef<Path>,
+    tolerances: &Tolerances,
+    device: &B::Device,
+) -> Result<VerifyReport, HfError> {
+    let dir = dir.as_ref();
+    let kind = model_type(dir)?;
+    // Fail on an unsupported model before reading the (possibly large) files.
+    if !MODEL_TYPES.contains(&kind.as_str()) {
+        return Err(HfError::UnsupportedModel {
+            model_type: kind,
+            path: config_path(dir),
+            supported: MODEL_TYPES.join(", "),
+        });
+    }
+    let reference = Reference::read(dir.join(REFERENCE_FILE))?;
+    match kind.as_str() {
+        "gpt2" => verify_model(
+            Gpt2::<B>::from_pretrained(dir, device)?,
+            &reference,
+            tolerances,
+            device,
+        ),
+        "llama" => verify_model(
+            Llama::<B>::from_pretrained(dir, device)?,
+            &reference,
+            tolerances,
+            device,
+        ),
+        _ => unreachable!("checked against MODEL_TYPES"),
+    }
+}
