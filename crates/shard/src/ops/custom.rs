@@ -1,0 +1,290 @@
+//! The hand-written exceptions of the forwarding (see `forward.rs` for the rest).
+
+use super::policy::{Host, collective_failed, local, read, write};
+use crate::{Shard, ShardTensor};
+use burn_backend::ops::*;
+use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
+use burn_backend::tensor::{Device, FloatTensor, IntTensor, QuantizedTensor};
+use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData, TensorMetadata};
+use burn_std::{FloatDType, Shape};
+use kiln_comm::ReduceOp;
+
+// ----- creation: whole tensors on this rank -----
+
+pub(crate) fn float_from_data<B: Backend>(
+    data: TensorData,
+    device: &Device<B>,
+) -> FloatTensor<Shard<B>> {
+    ShardTensor::Local(B::float_from_data(data, device))
+}
+
+pub(crate) fn float_random<B: Backend>(
+    shape: Shape,
+    distribution: Distribution,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<Shard<B>> {
+    ShardTensor::Local(B::float_random(shape, distribution, device, dtype))
+}
+
+pub(crate) fn float_zeros<B: Backend>(
+    shape: Shape,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<Shard<B>> {
+    ShardTensor::Local(B::float_zeros(shape, device, dtype))
+}
+
+pub(crate) fn float_ones<B: Backend>(
+    shape: Shape,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<Shard<B>> {
+    ShardTensor::Local(B::float_ones(shape, device, dtype))
+}
+
+pub(crate) fn float_full<B: Backend>(
+    shape: Shape,
+    fill_value: Scalar,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<Shard<B>> {
+    ShardTensor::Local(B::float_full(shape, fill_value, device, dtype))
+}
+
+pub(crate) fn float_empty<B: Backend>(
+    shape: Shape,
+    device: &Device<B>,
+    dtype: FloatDType,
+) -> FloatTensor<Shard<B>> {
+    ShardTensor::Local(B::float_empty(shape, device, dtype))
+}
+
+// ----- reading and metadata -----
+
+/// Reading a shard gathers it first: a collective, so every rank must read (e.g. validation
+/// and checkpointing run on all ranks, never on rank 0 alone).
+pub(crate) fn float_into_data<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    B::float_into_data(local(tensor))
+}
+
+pub(crate) fn float_device<B: Backend>(tensor: &FloatTensor<Shard<B>>) -> Device<B> {
+    match tensor {
+        ShardTensor::Local(t) => B::float_device(t),
+        ShardTensor::Sharded(s) => B::float_device(&s.shard),
+    }
+}
+
+pub(crate) fn float_is_require_grad<B: Backend>(tensor: &FloatTensor<Shard<B>>) -> bool {
+    match tensor {
+        ShardTensor::Local(t) => B::float_is_require_grad(t),
+        ShardTensor::Sharded(s) => B::float_is_require_grad(&s.shard),
+    }
+}
+
+// ----- whole-tensor reductions: local partial, then all-reduce -----
+
+fn reduce_all<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    local_op: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+    empty: f32,
+    op: ReduceOp,
+) -> FloatTensor<Shard<B>> {
+    let s = match tensor {
+        ShardTensor::Local(t) => return ShardTensor::Local(local_op(t)),
+        ShardTensor::Sharded(s) => s,
+    };
+    let device = B::float_device(&s.shard);
+    let dtype = s.shard.dtype();
+    // A rank may hold no elements (fewer elements than ranks): it contributes the identity.
+    let partial = if s.shard.shape().num_elements() == 0 {
+        B::float_full(Shape::from(vec![1]), empty.into(), &device, dtype.into())
+    } else {
+        local_op(s.shard)
+    };
+    let mut host = Host::from_data(read::<B>(partial));
+    s.group
+        .all_reduce(host.buf_mut(), op)
+        .unwrap_or_else(|e| collective_failed("all-reduce", &s.shape, s.group.as_ref(), e));
+    ShardTensor::Local(write::<B>(
+        host.into_data(Shape::from(vec![1])),
+        &device,
+        dtype,
+    ))
+}
+
+pub(crate) fn float_sum<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
+    reduce_all(tensor, B::float_sum, 0.0, ReduceOp::Sum)
+}
+
+pub(crate) fn float_mean<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
+    match tensor {
+        ShardTensor::Local(t) => ShardTensor::Local(B::float_mean(t)),
+        ShardTensor::Sharded(s) => {
+            let n = s.numel();
+            match float_sum::<B>(ShardTensor::Sharded(s)) {
+                ShardTensor::Local(sum) => {
+                    ShardTensor::Local(B::float_div_scalar(sum, (n as f64).into()))
+                }
+                ShardTensor::Sharded(_) => unreachable!("a reduction's result is whole"),
+            }
+        }
+    }
+}
+
+pub(crate) fn float_max<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
+    reduce_all(tensor, B::float_max, f32::NEG_INFINITY, ReduceOp::Max)
+}
+
+pub(crate) fn float_min<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
+    reduce_all(tensor, B::float_min, f32::INFINITY, ReduceOp::Min)
+}
+
+// ----- module ops -----
+
+/// The embedding gradient needs only the weight's shape, device and dtype: a sharded weight
+/// is not gathered for it.
+pub(crate) fn embedding_backward<B: Backend>(
+    weights: FloatTensor<Shard<B>>,
+    output_grad: FloatTensor<Shard<B>>,
+    indices: IntTensor<B>,
+) -> FloatTensor<Shard<B>> {
+    let weights = match weights {
+        ShardTensor::Local(w) => w,
+        ShardTensor::Sharded(s) => {
+            let device = B::float_device(&s.shard);
+            B::float_zeros(s.shape.clone(), &device, s.shard.dtype().into())
+        }
+    };
+    ShardTensor::Local(B::embedding_backward(weights, local(output_grad), indices))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn deform_conv2d_backward<B: Backend>(
+    x: FloatTensor<Shard<B>>,
+    offset: FloatTensor<Shard<B>>,
+    weight: FloatTensor<Shard<B>>,
+    mask: Option<FloatTensor<Shard<B>>>,
+    bias: Option<FloatTensor<Shard<B>>>,
+    output_grad: FloatTensor<Shard<B>>,
+    options: DeformConvOptions<2>,
+) -> DeformConv2dBackward<Shard<B>> {
+    let r = B::deform_conv2d_backward(
+        local(x),
+        local(offset),
+        local(weight),
+        mask.map(local),
+        bias.map(local),
+        local(output_grad),
+        options,
+    );
+    DeformConv2dBackward::new(
+        ShardTensor::Local(r.x_grad),
+        ShardTensor::Local(r.offset_grad),
+        ShardTensor::Local(r.weight_grad),
+        r.mask_grad.map(ShardTensor::Local),
+        r.bias_grad.map(ShardTensor::Local),
+    )
+}
+
+pub(crate) fn max_pool1d_with_indices<B: Backend>(
+    x: FloatTensor<Shard<B>>,
+    kernel_size: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+    ceil_mode: bool,
+) -> MaxPool1dWithIndices<Shard<B>> {
+    let r = B::max_pool1d_with_indices(local(x), kernel_size, stride, padding, dilation, ceil_mode);
+    MaxPool1dWithIndices::new(ShardTensor::Local(r.output), r.indices)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn max_pool1d_with_indices_backward<B: Backend>(
+    x: FloatTensor<Shard<B>>,
+    kernel_size: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+    ceil_mode: bool,
+    output_grad: FloatTensor<Shard<B>>,
+    indices: IntTensor<B>,
+) -> MaxPool1dBackward<Shard<B>> {
+    let r = B::max_pool1d_with_indices_backward(
+        local(x),
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        ceil_mode,
+        local(output_grad),
+        indices,
+    );
+    MaxPool1dBackward::new(ShardTensor::Local(r.x_grad))
+}
+
+pub(crate) fn max_pool2d_with_indices<B: Backend>(
+    x: FloatTensor<Shard<B>>,
+    kernel_size: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    ceil_mode: bool,
+) -> MaxPool2dWithIndices<Shard<B>> {
+    let r = B::max_pool2d_with_indices(local(x), kernel_size, stride, padding, dilation, ceil_mode);
+    MaxPool2dWithIndices::new(ShardTensor::Local(r.output), r.indices)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn max_pool2d_with_indices_backward<B: Backend>(
+    x: FloatTensor<Shard<B>>,
+    kernel_size: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    ceil_mode: bool,
+    output_grad: FloatTensor<Shard<B>>,
+    indices: IntTensor<B>,
+) -> MaxPool2dBackward<Shard<B>> {
+    let r = B::max_pool2d_with_indices_backward(
+        local(x),
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        ceil_mode,
+        local(output_grad),
+        indices,
+    );
+    MaxPool2dBackward::new(ShardTensor::Local(r.x_grad))
+}
+
+pub(crate) fn quantize<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    scheme: &QuantScheme,
+    qparams: QuantizationParametersPrimitive<Shard<B>>,
+) -> QuantizedTensor<B> {
+    B::quantize(
+        local(tensor),
+        scheme,
+        QuantizationParametersPrimitive {
+            scales: local(qparams.scales),
+        },
+    )
+}
+
+impl<B: Backend> TransactionOps<Self> for Shard<B> {
+    async fn tr_execute(
+        transaction: TransactionPrimitive<Self>,
+    ) -> Result<TransactionPrimitiveData, ExecutionError> {
+        B::tr_execute(TransactionPrimitive::new(
+            transaction.read_floats.into_iter().map(local).collect(),
+            transaction.read_qfloats,
+            transaction.read_ints,
+            transaction.read_bools,
+        ))
+        .await
+    }
+}

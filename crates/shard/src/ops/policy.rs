@@ -1,0 +1,232 @@
+//! How float tensors pass through the decorator: shard-local, gathered, or reduced.
+
+use crate::ShardTensor;
+use crate::tensor::Sharded;
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, TensorData, TensorMetadata, TensorPrimitive, try_read_sync};
+use burn_std::{Shape, Slice};
+use kiln_comm::{BufMut, BufRef, ProcessGroup, shard_range};
+use std::sync::Arc;
+
+/// A host copy of float data in a dtype the collectives carry.
+pub(crate) enum Host {
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+    BF16(Vec<half::bf16>),
+}
+
+impl Host {
+    pub fn from_data(data: TensorData) -> Host {
+        let ok = "tensor data converts to its own dtype";
+        match data.dtype {
+            DType::F16 => Host::F16(data.into_vec().expect(ok)),
+            DType::BF16 => Host::BF16(data.into_vec().expect(ok)),
+            DType::F32 => Host::F32(data.into_vec().expect(ok)),
+            _ => Host::F32(data.convert::<f32>().into_vec().expect(ok)),
+        }
+    }
+    pub fn zeros(&self, len: usize) -> Host {
+        match self {
+            Host::F32(_) => Host::F32(vec![0.0; len]),
+            Host::F16(_) => Host::F16(vec![half::f16::ZERO; len]),
+            Host::BF16(_) => Host::BF16(vec![half::bf16::ZERO; len]),
+        }
+    }
+    pub fn buf(&self) -> BufRef<'_> {
+        match self {
+            Host::F32(v) => v.into(),
+            Host::F16(v) => v.into(),
+            Host::BF16(v) => v.into(),
+        }
+    }
+    pub fn buf_mut(&mut self) -> BufMut<'_> {
+        match self {
+            Host::F32(v) => v.into(),
+            Host::F16(v) => v.into(),
+            Host::BF16(v) => v.into(),
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Host::F32(v) => v.len(),
+            Host::F16(v) => v.len(),
+            Host::BF16(v) => v.len(),
+        }
+    }
+    /// Copies `src[range]` to `self[at..]`; both hold the same dtype.
+    pub fn copy_from(&mut self, at: usize, src: &Host, range: std::ops::Range<usize>) {
+        let n = range.len();
+        match (self, src) {
+            (Host::F32(d), Host::F32(s)) => d[at..at + n].copy_from_slice(&s[range]),
+            (Host::F16(d), Host::F16(s)) => d[at..at + n].copy_from_slice(&s[range]),
+            (Host::BF16(d), Host::BF16(s)) => d[at..at + n].copy_from_slice(&s[range]),
+            _ => panic!("kiln: gradients of one bucket must share a dtype"),
+        }
+    }
+    pub fn slice(&self, start: usize, end: usize) -> Host {
+        match self {
+            Host::F32(v) => Host::F32(v[start..end].to_vec()),
+            Host::F16(v) => Host::F16(v[start..end].to_vec()),
+            Host::BF16(v) => Host::BF16(v[start..end].to_vec()),
+        }
+    }
+    pub fn into_data(self, shape: Shape) -> TensorData {
+        match self {
+            Host::F32(v) => TensorData::new(v, shape),
+            Host::F16(v) => TensorData::new(v, shape),
+            Host::BF16(v) => TensorData::new(v, shape),
+        }
+    }
+}
+
+/// Reads an inner tensor to the host.
+pub(crate) fn read<B: Backend>(t: B::FloatTensorPrimitive) -> TensorData {
+    try_read_sync(B::float_into_data(t))
+        .expect("kiln: the inner backend cannot read tensors synchronously")
+        .unwrap_or_else(|e| panic!("kiln: reading a tensor failed: {e:?}"))
+}
+
+/// Writes host data to an inner tensor of `dtype` on `device`.
+pub(crate) fn write<B: Backend>(
+    data: TensorData,
+    device: &B::Device,
+    dtype: DType,
+) -> B::FloatTensorPrimitive {
+    let t = B::float_from_data(data, device);
+    if t.dtype() == dtype {
+        t
+    } else {
+        B::float_cast(t, dtype.into())
+    }
+}
+
+/// Panics with the rank, the operation and the shape: Burn's op signatures cannot return
+/// errors, and a failed collective leaves nothing sensible to compute.
+pub(crate) fn collective_failed(
+    what: &str,
+    shape: &Shape,
+    group: &dyn ProcessGroup,
+    e: impl std::fmt::Display,
+) -> ! {
+    panic!(
+        "kiln: rank {} of group '{}' could not {what} a tensor of shape {:?}: {e}",
+        group.rank(),
+        group.name(),
+        shape.as_slice()
+    )
+}
+
+/// The whole tensor of a shard, gathered from the group.
+pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
+    let device = B::float_device(&s.shard);
+    let dtype = s.shard.dtype();
+    let host = Host::from_data(read::<B>(s.shard.clone()));
+    let mut full = host.zeros(s.numel());
+    s.group
+        .all_gather(host.buf(), full.buf_mut())
+        .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e));
+    write::<B>(full.into_data(s.shape.clone()), &device, dtype)
+}
+
+/// This rank's shard of a whole inner tensor (no communication).
+pub(crate) fn slice_local<B: Backend>(
+    t: B::FloatTensorPrimitive,
+    group: &Arc<dyn ProcessGroup>,
+) -> Sharded<B> {
+    let shape = t.shape();
+    let numel = shape.num_elements();
+    let range = shard_range(numel, group.world_size(), group.rank());
+    let flat = B::float_reshape(t, Shape::from(vec![numel]));
+    let shard = B::float_slice(
+        flat,
+        &[Slice::new(
+            range.start as isize,
+            Some(range.end as isize),
+            1,
+        )],
+    );
+    Sharded {
+        shard,
+        shape,
+        group: group.clone(),
+    }
+}
+
+/// The whole tensor as an inner tensor, gathering a shard (the copy is dropped after use).
+pub(crate) fn local<B: Backend>(t: FloatTensor<crate::Shard<B>>) -> B::FloatTensorPrimitive {
+    match t {
+        ShardTensor::Local(t) => t,
+        ShardTensor::Sharded(s) => gather(&s),
+    }
+}
+
+pub(crate) fn local_primitive<B: Backend>(
+    t: TensorPrimitive<crate::Shard<B>>,
+) -> TensorPrimitive<B> {
+    match t {
+        TensorPrimitive::Float(t) => TensorPrimitive::Float(local(t)),
+        TensorPrimitive::QFloat(q) => TensorPrimitive::QFloat(q),
+    }
+}
+
+pub(crate) fn local_wrap_primitive<B: Backend>(
+    t: TensorPrimitive<B>,
+) -> TensorPrimitive<crate::Shard<B>> {
+    match t {
+        TensorPrimitive::Float(t) => TensorPrimitive::Float(ShardTensor::Local(t)),
+        TensorPrimitive::QFloat(q) => TensorPrimitive::QFloat(q),
+    }
+}
+
+/// An elementwise op on one tensor: a shard stays a shard.
+pub(crate) fn unary<B: Backend>(
+    t: ShardTensor<B>,
+    f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> ShardTensor<B> {
+    match t {
+        ShardTensor::Local(t) => ShardTensor::Local(f(t)),
+        ShardTensor::Sharded(s) => ShardTensor::Sharded(Sharded {
+            shard: f(s.shard),
+            shape: s.shape,
+            group: s.group,
+        }),
+    }
+}
+
+/// An elementwise op on two tensors. Shard by shard when both are laid out alike, or when one
+/// is a shard and the other a whole tensor of the same shape (sliced locally: this is how
+/// ZeRO-1/2's replicated parameters meet their sharded gradients); otherwise (broadcasting,
+/// different groups) both are gathered.
+pub(crate) fn binary<B: Backend>(
+    a: ShardTensor<B>,
+    b: ShardTensor<B>,
+    f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> ShardTensor<B> {
+    match (a, b) {
+        (ShardTensor::Local(a), ShardTensor::Local(b)) => ShardTensor::Local(f(a, b)),
+        (ShardTensor::Sharded(a), ShardTensor::Sharded(b)) if a.same_layout(&b) => {
+            ShardTensor::Sharded(Sharded {
+                shard: f(a.shard, b.shard),
+                shape: a.shape,
+                group: a.group,
+            })
+        }
+        (ShardTensor::Sharded(a), ShardTensor::Local(b)) if a.shape == b.shape() => {
+            let b = slice_local::<B>(b, &a.group);
+            ShardTensor::Sharded(Sharded {
+                shard: f(a.shard, b.shard),
+                shape: a.shape,
+                group: a.group,
+            })
+        }
+        (ShardTensor::Local(a), ShardTensor::Sharded(b)) if a.shape() == b.shape => {
+            let a = slice_local::<B>(a, &b.group);
+            ShardTensor::Sharded(Sharded {
+                shard: f(a.shard, b.shard),
+                shape: b.shape,
+                group: b.group,
+            })
+        }
+        (a, b) => ShardTensor::Local(f(local(a), local(b))),
+    }
+}

@@ -1,0 +1,169 @@
+//! Strategies, their configuration, and the per-rank state the gradient hook uses.
+
+use crate::ShardTensor;
+use burn_backend::Backend;
+use burn_backend::distributed::DistributedParamId;
+use burn_std::Shape;
+use kiln_comm::{CommError, ProcessGroup};
+use std::any::{Any, TypeId};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// How parameters, gradients and optimizer state are spread over the data-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Strategy {
+    /// Everything replicated; gradients all-reduced (PyTorch DDP).
+    Ddp,
+    /// Optimizer state sharded; gradients all-reduced; parameters all-gathered after the step.
+    Zero1,
+    /// Optimizer state and gradients sharded (gradients reduce-scattered during backward).
+    Zero2,
+    /// Parameters too: FSDP full shard. Parameters are gathered on use and dropped after.
+    Zero3,
+    /// ZeRO-3 within groups of `shard_size` consecutive ranks, replicated across the groups
+    /// (FSDP's HYBRID_SHARD): shards are reduce-scattered in the group, then all-reduced across.
+    Hybrid {
+        /// Ranks per sharding group; must divide the world size.
+        shard_size: usize,
+    },
+}
+
+impl Strategy {
+    /// Parameters live as shards between steps.
+    pub fn shards_params(self) -> bool {
+        matches!(self, Strategy::Zero3 | Strategy::Hybrid { .. })
+    }
+    /// Gradients are reduce-scattered (not all-reduced) during backward.
+    pub fn shards_grads(self) -> bool {
+        matches!(
+            self,
+            Strategy::Zero2 | Strategy::Zero3 | Strategy::Hybrid { .. }
+        )
+    }
+    /// The optimizer updates only this rank's slice.
+    pub fn shards_optimizer(self) -> bool {
+        !matches!(self, Strategy::Ddp)
+    }
+}
+
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Strategy::Ddp => f.write_str("ddp"),
+            Strategy::Zero1 => f.write_str("zero1"),
+            Strategy::Zero2 => f.write_str("zero2"),
+            Strategy::Zero3 => f.write_str("zero3"),
+            Strategy::Hybrid { shard_size } => write!(f, "hybrid(shard {shard_size})"),
+        }
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = ShardError;
+    /// `ddp`, `zero1`, `zero2`, `zero3` (or `fsdp`), `hybrid:S`.
+    fn from_str(s: &str) -> Result<Self, ShardError> {
+        Ok(match s.trim().to_ascii_lowercase().as_str() {
+            "ddp" => Strategy::Ddp,
+            "zero1" => Strategy::Zero1,
+            "zero2" => Strategy::Zero2,
+            "zero3" | "fsdp" => Strategy::Zero3,
+            other => match other.strip_prefix("hybrid:").map(str::parse) {
+                Some(Ok(shard_size)) => Strategy::Hybrid { shard_size },
+                _ => {
+                    return Err(ShardError::Config(format!(
+                        "unknown strategy '{s}': expected ddp, zero1, zero2, zero3 or hybrid:S"
+                    )));
+                }
+            },
+        })
+    }
+}
+
+/// What [`shard`](crate::shard()) sets up.
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Gradients are reduced in buckets of about this many bytes (PyTorch DDP's default is
+    /// 25 MiB): fewer, larger collectives than one per parameter.
+    pub bucket_bytes: usize,
+}
+
+impl ShardConfig {
+    /// `strategy` with the default bucket size.
+    pub fn new(strategy: Strategy) -> Self {
+        ShardConfig {
+            strategy,
+            bucket_bytes: 25 << 20,
+        }
+    }
+    /// Another bucket size.
+    pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes.max(1);
+        self
+    }
+}
+
+/// Errors of the sharding layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShardError {
+    /// An inconsistent configuration, with the numbers.
+    #[error("sharding configuration: {0}")]
+    Config(String),
+    /// The ranks hold different models.
+    #[error("ranks disagree about the model: {0}")]
+    Inconsistent(String),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+/// A gradient handed over by the hook, waiting in the bucket.
+pub(crate) struct PendingGrad<B: Backend> {
+    /// Points into burn-autodiff's gradient container, whose boxed entries stay put (and are
+    /// not removed) until backward returns; the bucket is always flushed before that, at the
+    /// latest in `submit_sync_collective`.
+    pub ptr: *mut ShardTensor<B>,
+    pub shape: Shape,
+}
+
+/// One rank's sharding state (per backend type, per thread: ranks are threads or processes).
+pub(crate) struct RankState<B: Backend> {
+    pub shard_group: Arc<dyn ProcessGroup>,
+    pub replicate_group: Option<Arc<dyn ProcessGroup>>,
+    pub config: ShardConfig,
+    pub params: HashMap<DistributedParamId, Shape>,
+    pub bucket: Vec<PendingGrad<B>>,
+    pub bucket_bytes: usize,
+}
+
+thread_local! {
+    static STATES: RefCell<HashMap<TypeId, Box<dyn Any>>> = RefCell::new(HashMap::new());
+}
+
+pub(crate) fn install<B: Backend>(state: RankState<B>) {
+    STATES.with(|s| {
+        s.borrow_mut().insert(TypeId::of::<B>(), Box::new(state));
+    });
+}
+
+/// Runs `f` on this thread's state, or returns `None` if `shard` was never called here.
+pub(crate) fn try_with_state<B: Backend, R>(f: impl FnOnce(&mut RankState<B>) -> R) -> Option<R> {
+    STATES.with(|s| {
+        let mut map = s.borrow_mut();
+        map.get_mut(&TypeId::of::<B>())
+            .map(|st| f(st.downcast_mut::<RankState<B>>().expect("keyed by type")))
+    })
+}
+
+pub(crate) fn with_state<B: Backend, R>(f: impl FnOnce(&mut RankState<B>) -> R) -> R {
+    try_with_state(f).unwrap_or_else(|| {
+        panic!(
+            "kiln: a parameter is marked for gradient synchronisation but `kiln_shard::shard` was \
+             not called on this thread (each rank's thread must shard its own model)"
+        )
+    })
+}
