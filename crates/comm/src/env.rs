@@ -270,7 +270,10 @@ mod tests {
             ("MASTER_PORT", "1234"),
         ])
         .unwrap();
-        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (3, 8, 1, 2));
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (3, 8, 1, 2)
+        );
         assert_eq!(e.store_addr(), "node0:1234");
         assert_eq!(e.source, EnvSource::Torchrun);
     }
@@ -292,7 +295,10 @@ mod tests {
         let err = env(&[&base[..], &[("RANK", "4"), ("WORLD_SIZE", "4")]].concat())
             .unwrap_err()
             .to_string();
-        assert!(err.contains("rank 4 is out of range for world size 4"), "{err}");
+        assert!(
+            err.contains("rank 4 is out of range for world size 4"),
+            "{err}"
+        );
         let err = env(&[&base[..], &[("RANK", "x"), ("WORLD_SIZE", "4")]].concat())
             .unwrap_err()
             .to_string();
@@ -318,7 +324,10 @@ mod tests {
             ("SLURM_JOB_NODELIST", "gpu[07-08]"),
         ])
         .unwrap();
-        assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (5, 8, 1, 4));
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (5, 8, 1, 4)
+        );
         assert_eq!(e.master_addr, "gpu07");
         assert_eq!(e.master_port, DEFAULT_MASTER_PORT);
     }

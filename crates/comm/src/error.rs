@@ -109,7 +109,9 @@ pub enum CommError {
         reason: String,
     },
     /// Ranks called different collectives, or the same one with different arguments.
-    #[error("{op}: mismatched collective: this rank called {expected} but rank {peer} called {found}")]
+    #[error(
+        "{op}: mismatched collective: this rank called {expected} but rank {peer} called {found}"
+    )]
     Mismatch {
         /// This rank's operation.
         op: OpContext,

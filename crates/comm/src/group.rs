@@ -179,14 +179,7 @@ impl GroupCore {
     /// Starts a collective: checks the group is usable and takes the next sequence number.
     /// The state lock is held for the whole collective, so concurrent callers on one rank
     /// serialise instead of interleaving their messages.
-    fn begin(
-        &self,
-        kind: OpKind,
-        dtype: DType,
-        total: usize,
-        op: u8,
-        root: u32,
-    ) -> Result<Op<'_>> {
+    fn begin(&self, kind: OpKind, dtype: DType, total: usize, op: u8, root: u32) -> Result<Op<'_>> {
         let mut state = self.lock();
         if let Some(first) = &state.poisoned {
             return Err(CommError::Poisoned {
@@ -330,7 +323,11 @@ impl GroupCore {
             for s in 0..n - 1 {
                 o.send(right, s, &buf[chunk(r + n - s)])?;
                 let data = o.recv(left, s)?;
-                reduce_into(&mut buf[chunk(r + 2 * n - s - 1)], &bytes_as::<T>(&data), op);
+                reduce_into(
+                    &mut buf[chunk(r + 2 * n - s - 1)],
+                    &bytes_as::<T>(&data),
+                    op,
+                );
             }
             // Rank r now holds the complete chunk r+1.
             if op == ReduceOp::Avg {
@@ -394,7 +391,12 @@ impl GroupCore {
         o.finish(result)
     }
 
-    pub fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter(
+        &self,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
         match (input, output) {
             (BufRef::F32(i), BufMut::F32(o)) => self.reduce_scatter_t(i, o, op),
             (BufRef::F16(i), BufMut::F16(o)) => self.reduce_scatter_t(i, o, op),
@@ -404,7 +406,12 @@ impl GroupCore {
         }
     }
 
-    fn reduce_scatter_t<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+    fn reduce_scatter_t<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let (n, r) = (self.world_size(), self.rank);
         let len = input.len();
         let chunk = |i: usize| shard_range(len, n, i % n);
@@ -574,17 +581,18 @@ impl GroupCore {
         state.p2p_received.insert(src, seq + 1);
         let ctx = self.ctx(OpKind::SendRecv, seq);
         let deadline = Instant::now() + self.timeout;
-        let msg = match self
-            .transport
-            .mailbox()
-            .recv(self.id, self.members[src], Lane::P2p, deadline)
-        {
-            Ok(msg) => msg,
-            Err(e) => {
-                let err = recv_error(ctx, src, self.timeout, e);
-                return Err(self.fail(&mut state, err));
-            }
-        };
+        let msg =
+            match self
+                .transport
+                .mailbox()
+                .recv(self.id, self.members[src], Lane::P2p, deadline)
+            {
+                Ok(msg) => msg,
+                Err(e) => {
+                    let err = recv_error(ctx, src, self.timeout, e);
+                    return Err(self.fail(&mut state, err));
+                }
+            };
         let h = msg.header;
         if h.dtype != buf.dtype() || h.total != buf.len() as u64 {
             let err = CommError::Mismatch {
@@ -612,15 +620,10 @@ fn describe(h: &Header) -> String {
     let mut s = format!("{} #{} ({}, {} elements", h.kind, h.seq, h.dtype, h.total);
     match h.kind {
         OpKind::AllReduce | OpKind::ReduceScatter => {
-            let op = [
-                ReduceOp::Sum,
-                ReduceOp::Avg,
-                ReduceOp::Max,
-                ReduceOp::Min,
-            ]
-            .into_iter()
-            .find(|o| o.code() == h.op)
-            .map_or("?".to_string(), |o| o.to_string());
+            let op = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min]
+                .into_iter()
+                .find(|o| o.code() == h.op)
+                .map_or("?".to_string(), |o| o.to_string());
             s += &format!(", op {op}");
         }
         OpKind::Broadcast => s += &format!(", root {}", h.root),
@@ -667,7 +670,12 @@ impl Op<'_> {
             .core
             .transport
             .mailbox()
-            .recv(self.header.group, self.core.members[peer], Lane::Collective, self.deadline)
+            .recv(
+                self.header.group,
+                self.core.members[peer],
+                Lane::Collective,
+                self.deadline,
+            )
             .map_err(|e| recv_error(self.ctx(), peer, self.core.timeout, e))?;
         let h = msg.header;
         let expected = Header {

@@ -35,9 +35,9 @@ mod local;
 mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod selftest;
 mod shard;
 mod stats;
-pub mod selftest;
 pub mod store;
 mod tcp;
 pub mod tensor;

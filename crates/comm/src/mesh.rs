@@ -98,7 +98,8 @@ impl DeviceMesh {
             tp,
             pp,
         } = shape;
-        let degrees = format!("dp_replicate({dp_replicate}) x dp_shard({dp_shard}) x tp({tp}) x pp({pp})");
+        let degrees =
+            format!("dp_replicate({dp_replicate}) x dp_shard({dp_shard}) x tp({tp}) x pp({pp})");
         if [dp_replicate, dp_shard, tp, pp].contains(&0) {
             return Err(CommError::Config(format!(
                 "{degrees}: every degree must be at least 1"
@@ -128,7 +129,11 @@ impl DeviceMesh {
     /// # Panics
     /// If `rank` is not below the world size.
     pub fn coords(&self, rank: usize) -> MeshCoords {
-        assert!(rank < self.world_size(), "rank {rank} outside a mesh of {}", self.world_size());
+        assert!(
+            rank < self.world_size(),
+            "rank {rank} outside a mesh of {}",
+            self.world_size()
+        );
         let s = self.shape;
         MeshCoords {
             tp: rank % s.tp,
@@ -149,18 +154,25 @@ impl DeviceMesh {
         let c = self.coords(rank);
         let s = self.shape;
         match axis {
-            MeshAxis::Pp => (0..s.pp).map(|i| self.rank_of(MeshCoords { pp: i, ..c })).collect(),
+            MeshAxis::Pp => (0..s.pp)
+                .map(|i| self.rank_of(MeshCoords { pp: i, ..c }))
+                .collect(),
             MeshAxis::DpReplicate => (0..s.dp_replicate)
-                .map(|i| self.rank_of(MeshCoords { dp_replicate: i, ..c }))
+                .map(|i| {
+                    self.rank_of(MeshCoords {
+                        dp_replicate: i,
+                        ..c
+                    })
+                })
                 .collect(),
             MeshAxis::DpShard => (0..s.dp_shard)
                 .map(|i| self.rank_of(MeshCoords { dp_shard: i, ..c }))
                 .collect(),
-            MeshAxis::Tp => (0..s.tp).map(|i| self.rank_of(MeshCoords { tp: i, ..c })).collect(),
+            MeshAxis::Tp => (0..s.tp)
+                .map(|i| self.rank_of(MeshCoords { tp: i, ..c }))
+                .collect(),
             MeshAxis::Dp => (0..s.dp_replicate)
-                .flat_map(|r| {
-                    (0..s.dp_shard).map(move |d| (r, d))
-                })
+                .flat_map(|r| (0..s.dp_shard).map(move |d| (r, d)))
                 .map(|(r, d)| {
                     self.rank_of(MeshCoords {
                         dp_replicate: r,
@@ -243,7 +255,9 @@ mod tests {
 
     #[test]
     fn inconsistent_degrees_name_the_numbers() {
-        let err = DeviceMesh::new(8, shape(1, 2, 2, 3)).unwrap_err().to_string();
+        let err = DeviceMesh::new(8, shape(1, 2, 2, 3))
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("dp_replicate(1) x dp_shard(2) x tp(2) x pp(3) = 12 but world_size is 8"),
             "{err}"
@@ -257,7 +271,13 @@ mod tests {
         for rank in 0..24 {
             assert_eq!(mesh.rank_of(mesh.coords(rank)), rank);
         }
-        for axis in [MeshAxis::Pp, MeshAxis::DpReplicate, MeshAxis::DpShard, MeshAxis::Dp, MeshAxis::Tp] {
+        for axis in [
+            MeshAxis::Pp,
+            MeshAxis::DpReplicate,
+            MeshAxis::DpShard,
+            MeshAxis::Dp,
+            MeshAxis::Tp,
+        ] {
             let mut seen = vec![0; 24];
             for rank in 0..24 {
                 let members = mesh.axis_ranks(rank, axis);

@@ -117,9 +117,8 @@ impl NcclGroup {
     /// As [`NcclGroup::from_env`].
     pub fn from_launch_env(env: &LaunchEnv, options: GroupOptions) -> Result<NcclGroup> {
         Self::check_libraries()?;
-        let ctx = CudaContext::new(env.local_rank).map_err(|e| {
-            nccl_err(&format!("opening GPU {} (LOCAL_RANK)", env.local_rank), e)
-        })?;
+        let ctx = CudaContext::new(env.local_rank)
+            .map_err(|e| nccl_err(&format!("opening GPU {} (LOCAL_RANK)", env.local_rank), e))?;
         let stream = ctx
             .new_stream()
             .map_err(|e| nccl_err("creating a stream", e))?;
@@ -211,11 +210,19 @@ impl NcclGroup {
         let ctx = self.ctx(kind, seq);
         let result = (|| {
             let comm = &state.comm.as_ref().expect("present while not poisoned").0;
-            let desc = [kind.code() as i64, seq as i64, dtype.code() as i64 * 1_000_003 + extra, len as i64];
+            let desc = [
+                kind.code() as i64,
+                seq as i64,
+                dtype.code() as i64 * 1_000_003 + extra,
+                len as i64,
+            ];
             // Point-to-point calls involve two ranks, not the group: their length travels with
             // the message instead (see `host_send`).
             if self.world_size > 1 && kind != OpKind::SendRecv {
-                let d = self.stream.clone_htod(&desc).map_err(|e| nccl_err("copy", e))?;
+                let d = self
+                    .stream
+                    .clone_htod(&desc)
+                    .map_err(|e| nccl_err("copy", e))?;
                 let mut all = self
                     .stream
                     .clone_htod(&vec![0i64; 4 * self.world_size])
@@ -223,7 +230,10 @@ impl NcclGroup {
                 comm.all_gather(&d, &mut all)
                     .map_err(|e| nccl_err("ncclAllGather (descriptor)", e))?;
                 self.wait(&ctx)?;
-                let all = self.stream.clone_dtoh(&all).map_err(|e| nccl_err("copy", e))?;
+                let all = self
+                    .stream
+                    .clone_dtoh(&all)
+                    .map_err(|e| nccl_err("copy", e))?;
                 for (peer, theirs) in all.chunks(4).enumerate() {
                     if theirs != desc {
                         return Err(CommError::Mismatch {
@@ -329,11 +339,17 @@ impl NcclGroup {
     ) -> Result<()> {
         self.check_equal(OpKind::ReduceScatter, output.len(), input.len())?;
         let bytes = input.len() * std::mem::size_of::<T>();
-        self.run(OpKind::ReduceScatter, T::DTYPE, input.len(), op.code() as i64, |comm| {
-            comm.reduce_scatter(input, output, &nccl_op(op))
-                .map_err(|e| nccl_err("ncclReduceScatter", e))?;
-            Ok(())
-        })?;
+        self.run(
+            OpKind::ReduceScatter,
+            T::DTYPE,
+            input.len(),
+            op.code() as i64,
+            |comm| {
+                comm.reduce_scatter(input, output, &nccl_op(op))
+                    .map_err(|e| nccl_err("ncclReduceScatter", e))?;
+                Ok(())
+            },
+        )?;
         self.count(OpKind::ReduceScatter, self.ring_share(bytes));
         Ok(())
     }
@@ -353,7 +369,10 @@ impl NcclGroup {
                 .map_err(|e| nccl_err("ncclBroadcast", e))?;
             Ok(())
         })?;
-        self.count(OpKind::Broadcast, self.ring_share(len * std::mem::size_of::<T>()));
+        self.count(
+            OpKind::Broadcast,
+            self.ring_share(len * std::mem::size_of::<T>()),
+        );
         Ok(())
     }
 
@@ -382,14 +401,27 @@ impl NcclGroup {
         self.counters.received(kind, bytes);
     }
 
-    fn host_all_reduce<T: NcclType + Element + DeviceRepr>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let mut d = self.stream.clone_htod(buf).map_err(|e| nccl_err("copy", e))?;
+    fn host_all_reduce<T: NcclType + Element + DeviceRepr>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let mut d = self
+            .stream
+            .clone_htod(buf)
+            .map_err(|e| nccl_err("copy", e))?;
         self.all_reduce_device(&mut d, op)?;
-        self.stream.memcpy_dtoh(&d, buf).map_err(|e| nccl_err("copy", e))?;
+        self.stream
+            .memcpy_dtoh(&d, buf)
+            .map_err(|e| nccl_err("copy", e))?;
         self.stream.synchronize().map_err(|e| nccl_err("sync", e))
     }
 
-    fn host_all_gather<T: NcclType + Element + DeviceRepr>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+    fn host_all_gather<T: NcclType + Element + DeviceRepr>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<()> {
         let (n, r, len) = (self.world_size, self.rank, output.len());
         let mine = shard_range(len, n, r);
         if input.len() != mine.len() {
@@ -405,13 +437,19 @@ impl NcclGroup {
         let chunk = len.div_ceil(n);
         let mut padded = input.to_vec();
         padded.resize(chunk, T::from_f64(0.0));
-        let d_in = self.stream.clone_htod(&padded).map_err(|e| nccl_err("copy", e))?;
+        let d_in = self
+            .stream
+            .clone_htod(&padded)
+            .map_err(|e| nccl_err("copy", e))?;
         let mut d_out = self
             .stream
             .clone_htod(&vec![T::from_f64(0.0); chunk * n])
             .map_err(|e| nccl_err("alloc", e))?;
         self.all_gather_device(&d_in, &mut d_out)?;
-        let all = self.stream.clone_dtoh(&d_out).map_err(|e| nccl_err("copy", e))?;
+        let all = self
+            .stream
+            .clone_dtoh(&d_out)
+            .map_err(|e| nccl_err("copy", e))?;
         for p in 0..n {
             let range = shard_range(len, n, p);
             output[range.clone()].copy_from_slice(&all[p * chunk..p * chunk + range.len()]);
@@ -419,7 +457,12 @@ impl NcclGroup {
         Ok(())
     }
 
-    fn host_reduce_scatter<T: NcclType + Element + DeviceRepr>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+    fn host_reduce_scatter<T: NcclType + Element + DeviceRepr>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let (n, r, len) = (self.world_size, self.rank, input.len());
         let mine = shard_range(len, n, r);
         if output.len() != mine.len() {
@@ -438,45 +481,78 @@ impl NcclGroup {
             let range = shard_range(len, n, p);
             padded[p * chunk..p * chunk + range.len()].copy_from_slice(&input[range]);
         }
-        let d_in = self.stream.clone_htod(&padded).map_err(|e| nccl_err("copy", e))?;
+        let d_in = self
+            .stream
+            .clone_htod(&padded)
+            .map_err(|e| nccl_err("copy", e))?;
         let mut d_out = self
             .stream
             .clone_htod(&vec![T::from_f64(0.0); chunk])
             .map_err(|e| nccl_err("alloc", e))?;
         self.reduce_scatter_device(&d_in, &mut d_out, op)?;
-        let got = self.stream.clone_dtoh(&d_out).map_err(|e| nccl_err("copy", e))?;
+        let got = self
+            .stream
+            .clone_dtoh(&d_out)
+            .map_err(|e| nccl_err("copy", e))?;
         output.copy_from_slice(&got[..mine.len()]);
         Ok(())
     }
 
-    fn host_broadcast<T: NcclType + Element + DeviceRepr>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let mut d = self.stream.clone_htod(buf).map_err(|e| nccl_err("copy", e))?;
+    fn host_broadcast<T: NcclType + Element + DeviceRepr>(
+        &self,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let mut d = self
+            .stream
+            .clone_htod(buf)
+            .map_err(|e| nccl_err("copy", e))?;
         self.broadcast_device(&mut d, root)?;
-        self.stream.memcpy_dtoh(&d, buf).map_err(|e| nccl_err("copy", e))?;
+        self.stream
+            .memcpy_dtoh(&d, buf)
+            .map_err(|e| nccl_err("copy", e))?;
         self.stream.synchronize().map_err(|e| nccl_err("sync", e))
     }
 
     fn host_send<T: NcclType + Element + DeviceRepr>(&self, buf: &[T], dst: usize) -> Result<()> {
         // The length travels first, so the receiver checks it instead of NCCL hanging.
-        let head = self.stream.clone_htod(&[buf.len() as i64, T::DTYPE.code() as i64]).map_err(|e| nccl_err("copy", e))?;
-        let d = self.stream.clone_htod(buf).map_err(|e| nccl_err("copy", e))?;
+        let head = self
+            .stream
+            .clone_htod(&[buf.len() as i64, T::DTYPE.code() as i64])
+            .map_err(|e| nccl_err("copy", e))?;
+        let d = self
+            .stream
+            .clone_htod(buf)
+            .map_err(|e| nccl_err("copy", e))?;
         self.run(OpKind::SendRecv, T::DTYPE, buf.len(), dst as i64, |comm| {
-            comm.send(&head, dst as i32).map_err(|e| nccl_err("ncclSend", e))?;
-            comm.send(&d, dst as i32).map_err(|e| nccl_err("ncclSend", e))
-        })
-?;
+            comm.send(&head, dst as i32)
+                .map_err(|e| nccl_err("ncclSend", e))?;
+            comm.send(&d, dst as i32)
+                .map_err(|e| nccl_err("ncclSend", e))
+        })?;
         self.count(OpKind::SendRecv, std::mem::size_of_val(buf));
         Ok(())
     }
 
-    fn host_recv<T: NcclType + Element + DeviceRepr>(&self, buf: &mut [T], src: usize) -> Result<()> {
-        let mut head = self.stream.clone_htod(&[0i64; 2]).map_err(|e| nccl_err("copy", e))?;
-        let mut d = self.stream.clone_htod(buf).map_err(|e| nccl_err("copy", e))?;
+    fn host_recv<T: NcclType + Element + DeviceRepr>(
+        &self,
+        buf: &mut [T],
+        src: usize,
+    ) -> Result<()> {
+        let mut head = self
+            .stream
+            .clone_htod(&[0i64; 2])
+            .map_err(|e| nccl_err("copy", e))?;
+        let mut d = self
+            .stream
+            .clone_htod(buf)
+            .map_err(|e| nccl_err("copy", e))?;
         let len = buf.len();
         let stream = self.stream.clone();
         let ctx = self.ctx(OpKind::SendRecv, 0);
         self.run(OpKind::SendRecv, T::DTYPE, len, src as i64, |comm| {
-            comm.recv(&mut head, src as i32).map_err(|e| nccl_err("ncclRecv", e))?;
+            comm.recv(&mut head, src as i32)
+                .map_err(|e| nccl_err("ncclRecv", e))?;
             self.wait(&ctx)?;
             let h = stream.clone_dtoh(&head).map_err(|e| nccl_err("copy", e))?;
             if h[0] as usize != len || h[1] != T::DTYPE.code() as i64 {
@@ -487,10 +563,13 @@ impl NcclGroup {
                     found: format!("send({} elements)", h[0]),
                 });
             }
-            comm.recv(&mut d, src as i32).map_err(|e| nccl_err("ncclRecv", e))?;
+            comm.recv(&mut d, src as i32)
+                .map_err(|e| nccl_err("ncclRecv", e))?;
             Ok(())
         })?;
-        self.stream.memcpy_dtoh(&d, buf).map_err(|e| nccl_err("copy", e))?;
+        self.stream
+            .memcpy_dtoh(&d, buf)
+            .map_err(|e| nccl_err("copy", e))?;
         self.stream.synchronize().map_err(|e| nccl_err("sync", e))?;
         self.count(OpKind::SendRecv, std::mem::size_of_val(buf));
         Ok(())
@@ -598,7 +677,11 @@ impl ProcessGroup for NcclGroup {
         let key = format!(
             "kiln/nccl/{}/split/{}/{count}/{}",
             self.name,
-            globals.iter().map(|g| g.to_string()).collect::<Vec<_>>().join(","),
+            globals
+                .iter()
+                .map(|g| g.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
             name
         );
         let comm = Self::init_comm(&self.store, &key, &self.stream, me, ranks.len())?;

@@ -56,7 +56,17 @@ fn compare<T: Element>(what: &str, got: &[T], want: &[T]) -> Result<(), String> 
 }
 
 fn lengths(world: usize) -> Vec<usize> {
-    let mut v = vec![0, 1, world.saturating_sub(1), world, world + 1, 7, 1000, 4099, 70_001];
+    let mut v = vec![
+        0,
+        1,
+        world.saturating_sub(1),
+        world,
+        world + 1,
+        7,
+        1000,
+        4099,
+        70_001,
+    ];
     v.dedup();
     v
 }
@@ -73,7 +83,11 @@ where
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
             let mut buf = contribution::<T>(r, len);
             g.all_reduce(buf.as_mut_slice().into(), op).map_err(err)?;
-            compare(&tag(&format!("all_reduce[{op}]")), &buf, &reduced::<T>(n, len, op))?;
+            compare(
+                &tag(&format!("all_reduce[{op}]")),
+                &buf,
+                &reduced::<T>(n, len, op),
+            )?;
 
             let input = contribution::<T>(r, len);
             let mine = shard_range(len, n, r);
@@ -102,7 +116,11 @@ where
             vec![T::from_f64(99.0); len]
         };
         g.broadcast(buf.as_mut_slice().into(), root).map_err(err)?;
-        compare(&tag(&format!("broadcast[root {root}]")), &buf, &contribution::<T>(root, len))?;
+        compare(
+            &tag(&format!("broadcast[root {root}]")),
+            &buf,
+            &contribution::<T>(root, len),
+        )?;
 
         // A ring of point-to-point messages (a rank sends to itself when alone).
         let send = contribution::<T>(r, len);

@@ -382,7 +382,9 @@ mod tests {
     #[test]
     fn port_in_use_is_a_clear_error() {
         let server = StoreServer::bind("127.0.0.1:0").unwrap();
-        let err = StoreServer::bind(server.local_addr()).unwrap_err().to_string();
+        let err = StoreServer::bind(server.local_addr())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("already in use"), "{err}");
     }
 

@@ -44,8 +44,12 @@ impl Transport for TcpTransport {
             self.mailbox.push(dst, msg);
             return Ok(());
         }
-        let conn = self.peers[dst].as_ref().expect("a connection to every peer");
-        let mut conn = conn.lock().map_err(|_| "connection lock poisoned".to_string())?;
+        let conn = self.peers[dst]
+            .as_ref()
+            .expect("a connection to every peer");
+        let mut conn = conn
+            .lock()
+            .map_err(|_| "connection lock poisoned".to_string())?;
         let header = msg.header.encode();
         let io = |e: std::io::Error| format!("sending to rank {dst} failed: {e}");
         if msg.payload.len() <= 64 << 10 {
@@ -205,12 +209,17 @@ impl TcpGroup {
         let mut streams: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
         // Lower ranks accept, higher ranks connect: each pair connects exactly once.
         for peer in 0..rank {
-            let addr = String::from_utf8_lossy(&store.get(&key(&format!("addr/{peer}")))?)
-                .into_owned();
+            let addr =
+                String::from_utf8_lossy(&store.get(&key(&format!("addr/{peer}")))?).into_owned();
             let stream = connect_until(&addr, deadline)
                 .map_err(|e| setup(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
             let mut hello = Vec::with_capacity(16);
-            for v in [HELLO_MAGIC, PROTOCOL_VERSION, rank as u32, world_size as u32] {
+            for v in [
+                HELLO_MAGIC,
+                PROTOCOL_VERSION,
+                rank as u32,
+                world_size as u32,
+            ] {
                 hello.extend_from_slice(&v.to_le_bytes());
             }
             (&stream)
@@ -240,8 +249,9 @@ impl TcpGroup {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
-                        let missing: Vec<usize> =
-                            (rank + 1..world_size).filter(|p| streams[*p].is_none()).collect();
+                        let missing: Vec<usize> = (rank + 1..world_size)
+                            .filter(|p| streams[*p].is_none())
+                            .collect();
                         return Err(setup(format!(
                             "timed out after {:?} waiting for ranks {missing:?} to connect",
                             options.timeout
@@ -266,7 +276,9 @@ impl TcpGroup {
             };
             stream.set_nodelay(true).map_err(io)?;
             // A peer that stops reading (hung, not dead) must not block this rank forever.
-            stream.set_write_timeout(Some(options.timeout)).map_err(io)?;
+            stream
+                .set_write_timeout(Some(options.timeout))
+                .map_err(io)?;
             let reader = stream.try_clone().map_err(io)?;
             let mb = mailbox.clone();
             std::thread::Builder::new()
@@ -324,10 +336,16 @@ fn connect_until(addr: &str, deadline: Instant) -> std::io::Result<TcpStream> {
 }
 
 fn read_hello(stream: &TcpStream, world_size: usize, deadline: Instant) -> Result<usize, String> {
-    let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-    stream.set_read_timeout(Some(wait)).map_err(|e| e.to_string())?;
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(100));
+    stream
+        .set_read_timeout(Some(wait))
+        .map_err(|e| e.to_string())?;
     let mut b = [0u8; 16];
-    (&*stream).read_exact(&mut b).map_err(|e| format!("no hello: {e}"))?;
+    (&*stream)
+        .read_exact(&mut b)
+        .map_err(|e| format!("no hello: {e}"))?;
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
     let word = |i: usize| u32::from_le_bytes(b[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
     if word(0) != HELLO_MAGIC {

@@ -141,7 +141,10 @@ pub fn all_gather_rows<B: Backend, const D: usize>(
         return Err(invalid(
             group,
             OpKind::AllGather,
-            format!("the shard has {} rows but rank {r}'s share of {rows} rows is {mine}", shape[0]),
+            format!(
+                "the shard has {} rows but rank {r}'s share of {rows} rows is {mine}",
+                shape[0]
+            ),
         ));
     }
     let row: usize = shape[1..].iter().product();

@@ -34,7 +34,10 @@ fn ring_all_reduce_sends_2_n_minus_1_over_n_of_the_buffer() {
             s.bytes_sent
         });
         let expected = 2 * (world as u64 - 1) * (len as u64 * 4) / world as u64;
-        assert!(sent.iter().all(|&b| b == expected), "world {world}: {sent:?} vs {expected}");
+        assert!(
+            sent.iter().all(|&b| b == expected),
+            "world {world}: {sent:?} vs {expected}"
+        );
     }
 }
 
@@ -85,10 +88,19 @@ fn mismatched_collectives_are_reported_not_mixed() {
     // of it as rank 1 leaves.
     let text = errors[1].to_string();
     assert!(matches!(errors[1], CommError::Mismatch { .. }), "{text}");
-    assert!(text.contains("broadcast #0 on group 'world' (rank 1 of 2)"), "{text}");
-    assert!(text.contains("rank 0 called all_reduce #0 (f32, 8 elements, op sum)"), "{text}");
+    assert!(
+        text.contains("broadcast #0 on group 'world' (rank 1 of 2)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("rank 0 called all_reduce #0 (f32, 8 elements, op sum)"),
+        "{text}"
+    );
     let text = errors[0].to_string();
-    assert!(text.contains("all_reduce #0 on group 'world' (rank 0 of 2)"), "{text}");
+    assert!(
+        text.contains("all_reduce #0 on group 'world' (rank 0 of 2)"),
+        "{text}"
+    );
     assert!(text.contains("mismatched collective"), "{text}");
 }
 
@@ -96,7 +108,8 @@ fn mismatched_collectives_are_reported_not_mixed() {
 fn mismatched_sizes_and_dtypes_are_reported() {
     let errors = spawn_ranks_with(2, short(5000), |g: LocalGroup| {
         let mut v = vec![0.0f32; 8 + g.rank()];
-        g.all_reduce((&mut v[..]).into(), ReduceOp::Sum).unwrap_err()
+        g.all_reduce((&mut v[..]).into(), ReduceOp::Sum)
+            .unwrap_err()
     });
     for text in errors.iter().map(|e| e.to_string()) {
         assert!(text.contains("(f32, 8 elements, op sum)"), "{text}");
@@ -106,10 +119,12 @@ fn mismatched_sizes_and_dtypes_are_reported() {
     let errors = spawn_ranks_with(2, short(5000), |g: LocalGroup| {
         if g.rank() == 0 {
             let mut v = vec![0i64; 8];
-            g.all_reduce((&mut v[..]).into(), ReduceOp::Max).unwrap_err()
+            g.all_reduce((&mut v[..]).into(), ReduceOp::Max)
+                .unwrap_err()
         } else {
             let mut v = vec![kiln_comm::bf16::ZERO; 8];
-            g.all_reduce((&mut v[..]).into(), ReduceOp::Max).unwrap_err()
+            g.all_reduce((&mut v[..]).into(), ReduceOp::Max)
+                .unwrap_err()
         }
     });
     assert!(errors[0].to_string().contains("bf16"), "{}", errors[0]);
@@ -125,15 +140,26 @@ fn a_rank_that_never_arrives_times_out_with_context() {
             return None;
         }
         let mut v = vec![1.0f32; 10];
-        Some(g.all_reduce((&mut v[..]).into(), ReduceOp::Sum).unwrap_err())
+        Some(
+            g.all_reduce((&mut v[..]).into(), ReduceOp::Sum)
+                .unwrap_err(),
+        )
     });
     assert!(start.elapsed() < Duration::from_secs(5));
     let err = results[0].as_ref().unwrap();
     let text = err.to_string();
     assert!(text.contains("all_reduce #0 on group 'world'"), "{text}");
-    assert!(matches!(err, CommError::Timeout { .. } | CommError::PeerLost { .. }), "{text}");
+    assert!(
+        matches!(err, CommError::Timeout { .. } | CommError::PeerLost { .. }),
+        "{text}"
+    );
     // Rank 1 waits on rank 0 in the ring; at least one rank reports the timeout itself.
-    assert!(results.iter().flatten().any(|e| matches!(e, CommError::Timeout { .. })));
+    assert!(
+        results
+            .iter()
+            .flatten()
+            .any(|e| matches!(e, CommError::Timeout { .. }))
+    );
 }
 
 #[test]
@@ -156,7 +182,10 @@ fn a_rank_that_dies_fails_its_peers_at_once_and_poisons_the_group() {
     });
     let msg = *result.unwrap_err().downcast::<String>().unwrap();
     assert!(msg.contains("rank 1 panicked: simulated crash"), "{msg}");
-    assert!(!msg.contains("rank 0"), "survivors passed their assertions: {msg}");
+    assert!(
+        !msg.contains("rank 0"),
+        "survivors passed their assertions: {msg}"
+    );
     // Far below the 60 s timeout: the loss was noticed, not waited out.
     assert!(start.elapsed() < Duration::from_secs(10));
 }
@@ -169,9 +198,15 @@ fn wrong_lengths_and_peers_are_argument_errors() {
         let e = g
             .all_gather((&bad[..]).into(), (&mut out[..]).into())
             .unwrap_err();
-        assert!(e.to_string().contains("input has 6 elements but rank"), "{e}");
+        assert!(
+            e.to_string().contains("input has 6 elements but rank"),
+            "{e}"
+        );
         let e = g.send((&bad[..]).into(), 5).unwrap_err();
-        assert!(e.to_string().contains("destination 5 is out of range"), "{e}");
+        assert!(
+            e.to_string().contains("destination 5 is out of range"),
+            "{e}"
+        );
         let mut small = vec![0.0f32; 3];
         let e = g
             .reduce_scatter((&out[..]).into(), (&mut small[..]).into(), ReduceOp::Sum)
@@ -193,22 +228,42 @@ fn mesh_sub_groups_reduce_along_their_axis() {
     spawn_ranks(8, |g: LocalGroup| {
         let mesh = DeviceMesh::new(8, shape).unwrap();
         let groups = mesh.groups(&g).unwrap();
-        for axis in [MeshAxis::Tp, MeshAxis::DpShard, MeshAxis::DpReplicate, MeshAxis::Dp, MeshAxis::Pp] {
+        for axis in [
+            MeshAxis::Tp,
+            MeshAxis::DpShard,
+            MeshAxis::DpReplicate,
+            MeshAxis::Dp,
+            MeshAxis::Pp,
+        ] {
             let sub = groups.get(axis);
             let members = mesh.axis_ranks(g.rank(), axis);
             assert_eq!(sub.world_size(), members.len());
             assert_eq!(members[sub.rank()], g.rank());
             let mut v = vec![g.rank() as i64];
             sub.all_reduce((&mut v[..]).into(), ReduceOp::Sum).unwrap();
-            assert_eq!(v[0], members.iter().map(|&m| m as i64).sum::<i64>(), "{axis:?}");
+            assert_eq!(
+                v[0],
+                members.iter().map(|&m| m as i64).sum::<i64>(),
+                "{axis:?}"
+            );
         }
     });
     let err = spawn_ranks(2, |g: LocalGroup| {
-        DeviceMesh::new(4, MeshShape { dp_shard: 4, ..Default::default() })
-            .unwrap()
-            .groups(&g)
-            .unwrap_err()
-            .to_string()
+        DeviceMesh::new(
+            4,
+            MeshShape {
+                dp_shard: 4,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .groups(&g)
+        .unwrap_err()
+        .to_string()
     });
-    assert!(err[0].contains("the mesh has 4 ranks but group 'world' has 2"), "{}", err[0]);
+    assert!(
+        err[0].contains("the mesh has 4 ranks but group 'world' has 2"),
+        "{}",
+        err[0]
+    );
 }

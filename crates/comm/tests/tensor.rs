@@ -19,7 +19,10 @@ fn all_reduce_keeps_dtype_and_shape() {
         assert_eq!(out.dtype(), DType::BF16);
         assert_eq!(out.dims(), [2, 3]);
         let want: Vec<f32> = (0..6).map(|i| 3.0 * i as f32 + 3.0).collect();
-        assert_eq!(out.cast(DType::F32).into_data().to_vec::<f32>().unwrap(), want);
+        assert_eq!(
+            out.cast(DType::F32).into_data().to_vec::<f32>().unwrap(),
+            want
+        );
     });
 }
 
