@@ -14,7 +14,11 @@ use kiln_comm::{ProcessGroup, ReduceOp, TcpGroup, selftest};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Parser)]
-#[command(name = "kiln", version, about = "Train Burn models data-parallel, sharded, pipelined")]
+#[command(
+    name = "kiln",
+    version,
+    about = "Train Burn models data-parallel, sharded, pipelined"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

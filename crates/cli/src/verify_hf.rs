@@ -34,8 +34,16 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
     }
     let tolerances = Tolerances::default();
     let report = kiln_zoo::verify_dir::<Backend>(&args.dir, &tolerances, &Default::default())?;
-    let width = report.checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
-    println!("{:width$}  {:>10}  {:>9}  result", "quantity", "rel_err", "tolerance");
+    let width = report
+        .checks
+        .iter()
+        .map(|c| c.name.len())
+        .max()
+        .unwrap_or(0);
+    println!(
+        "{:width$}  {:>10}  {:>9}  result",
+        "quantity", "rel_err", "tolerance"
+    );
     for check in &report.checks {
         println!(
             "{:width$}  {:>10.3e}  {:>9.0e}  {}",
@@ -54,10 +62,18 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
     }
     let failed = report.checks.iter().filter(|c| !c.ok()).count();
     if failed == 0 {
-        println!("{}: all {} checks within tolerance", args.dir.display(), report.checks.len());
+        println!(
+            "{}: all {} checks within tolerance",
+            args.dir.display(),
+            report.checks.len()
+        );
         Ok(0)
     } else {
-        println!("{}: {failed} of {} checks FAILED", args.dir.display(), report.checks.len());
+        println!(
+            "{}: {failed} of {} checks FAILED",
+            args.dir.display(),
+            report.checks.len()
+        );
         Ok(1)
     }
 }

@@ -27,7 +27,12 @@ fn verify_hf_passes_on_a_fixture() {
         out.status.code(),
         String::from_utf8_lossy(&out.stderr)
     );
-    for line in ["logits", "loss_init", "grad_norm.transformer.wte.weight", "train_loss[9]"] {
+    for line in [
+        "logits",
+        "loss_init",
+        "grad_norm.transformer.wte.weight",
+        "train_loss[9]",
+    ] {
         assert!(stdout.contains(line), "no '{line}' line in:\n{stdout}");
     }
     assert!(!stdout.contains("FAIL"), "{stdout}");

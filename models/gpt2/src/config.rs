@@ -64,10 +64,12 @@ impl Gpt2Config {
     /// As [`kiln_hf::read_config`], and [`HfError::UnsupportedConfig`] from [`Self::validate`].
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
         let config: Self = kiln_hf::read_config(&dir)?;
-        config.validate().map_err(|reason| HfError::UnsupportedConfig {
-            path: kiln_hf::config_path(&dir),
-            reason,
-        })?;
+        config
+            .validate()
+            .map_err(|reason| HfError::UnsupportedConfig {
+                path: kiln_hf::config_path(&dir),
+                reason,
+            })?;
         Ok(config)
     }
 
@@ -76,7 +78,7 @@ impl Gpt2Config {
     /// # Errors
     /// The reason, with the values.
     pub fn validate(&self) -> Result<(), String> {
-        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(format!(
                 "n_embd({}) is not a multiple of n_head({})",
                 self.n_embd, self.n_head

@@ -68,14 +68,19 @@ pub struct Mlp<B: Backend> {
 /// some backends.)
 fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let cube = x.clone() * x.clone() * x.clone();
-    let inner = (x.clone() + cube.mul_scalar(0.044715)).mul_scalar((2.0 / std::f64::consts::PI).sqrt());
+    let inner =
+        (x.clone() + cube.mul_scalar(0.044715)).mul_scalar((2.0 / std::f64::consts::PI).sqrt());
     x.mul_scalar(0.5) * (inner.tanh() + 1.0)
 }
 
 impl<B: Backend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = self.c_fc.forward(x);
-        let h = if self.tanh_gelu { gelu_tanh(h) } else { gelu(h) };
+        let h = if self.tanh_gelu {
+            gelu_tanh(h)
+        } else {
+            gelu(h)
+        };
         self.c_proj.forward(h)
     }
 }
@@ -168,7 +173,11 @@ impl Gpt2Config {
                 }
             })
             .collect();
-        let embedding = |n| EmbeddingConfig::new(n, d).with_initializer(INIT).init(device);
+        let embedding = |n| {
+            EmbeddingConfig::new(n, d)
+                .with_initializer(INIT)
+                .init(device)
+        };
         Gpt2 {
             transformer: Gpt2Transformer {
                 wte: embedding(self.vocab_size),

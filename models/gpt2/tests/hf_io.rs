@@ -13,7 +13,9 @@ const FIXTURE: &str = "tiny-gpt2";
 const VICTIM: &str = "transformer.h.1.mlp.c_fc.weight";
 
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../hf/tests/fixtures").join(FIXTURE)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../hf/tests/fixtures")
+        .join(FIXTURE)
 }
 
 fn temp_dir(test: &str) -> PathBuf {
@@ -61,8 +63,16 @@ fn round_trip_is_identical_and_in_hf_names_and_shapes() {
     for name in original.names() {
         assert_eq!(saved.shape(&name), original.shape(&name), "shape of {name}");
         assert_eq!(
-            saved.float(&name, None).expect("saved").to_vec::<f32>().expect("f32"),
-            original.float(&name, None).expect("original").to_vec::<f32>().expect("f32"),
+            saved
+                .float(&name, None)
+                .expect("saved")
+                .to_vec::<f32>()
+                .expect("f32"),
+            original
+                .float(&name, None)
+                .expect("original")
+                .to_vec::<f32>()
+                .expect("f32"),
             "values of {name}"
         );
     }
@@ -88,7 +98,10 @@ fn missing_tensor_is_named_with_its_shape() {
 #[test]
 fn misshaped_tensor_is_named_with_both_shapes() {
     let dir = edited_dir("misshaped", |t| {
-        let entry = t.iter_mut().find(|(name, _)| name == VICTIM).expect("victim");
+        let entry = t
+            .iter_mut()
+            .find(|(name, _)| name == VICTIM)
+            .expect("victim");
         entry.1 = TensorData::new(vec![0.0f32; 64 * 255], [64, 255]);
     });
     let err = load(&dir).expect_err("a tensor is mis-shaped");

@@ -40,5 +40,6 @@ pub use reference::{AdamWSettings, Reference};
 pub use safetensors_file::SafetensorsFile;
 pub use tokenizer::ByteTokenizer;
 pub use weights::{
-    HfNaming, HfTensorName, hf_grad_norms, hf_grads, hf_tensors, load_weights, save_weights, write_tensors,
+    HfGrads, HfNaming, HfTensorName, hf_grad_norms, hf_grads, hf_tensors, load_weights,
+    save_weights, write_tensors,
 };

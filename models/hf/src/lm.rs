@@ -169,6 +169,27 @@ pub fn generate<B: Backend, M: CausalLm<B>>(
 mod tests {
     use super::*;
 
+    type TB = burn::backend::Flex;
+
+    #[test]
+    fn loss_is_mean_cross_entropy() {
+        let device = Default::default();
+        // Uniform logits: every token costs ln(V).
+        let logits = Tensor::<TB, 3>::zeros([2, 3, 5], &device);
+        let labels = Tensor::<TB, 2, Int>::from_data(
+            TensorData::new(vec![0i64, 1, 2, 3, 4, 0], [2, 3]),
+            &device,
+        );
+        let loss: f32 = causal_lm_loss(logits, labels.clone()).into_scalar();
+        assert!((loss - 5f32.ln()).abs() < 1e-6, "{loss}");
+        // One confident, correct position among six: its cost drops to ~0.
+        let mut values = vec![0.0f32; 30];
+        values[0] = 100.0;
+        let logits = Tensor::<TB, 3>::from_data(TensorData::new(values, [2, 3, 5]), &device);
+        let loss: f32 = causal_lm_loss(logits, labels).into_scalar();
+        assert!((loss - 5.0 * 5f32.ln() / 6.0).abs() < 1e-5, "{loss}");
+    }
+
     #[test]
     fn argmax_takes_first_on_ties() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
@@ -186,8 +207,14 @@ mod tests {
         let a = draw(7);
         assert_eq!(a, draw(7), "same seed, same tokens");
         assert_ne!(a, draw(8), "another seed, other tokens");
-        assert!(a.iter().all(|&t| t < 2), "a zero-probability token was drawn");
+        assert!(
+            a.iter().all(|&t| t < 2),
+            "a zero-probability token was drawn"
+        );
         let ones = a.iter().filter(|&&t| t == 1).count() as f64 / a.len() as f64;
-        assert!((ones - 0.75).abs() < 0.03, "P(token 1) = {ones}, expected 0.75");
+        assert!(
+            (ones - 0.75).abs() < 0.03,
+            "P(token 1) = {ones}, expected 0.75"
+        );
     }
 }

@@ -77,11 +77,13 @@ impl SafetensorsFile {
     /// [`HfError::Metadata`] when the key is absent or its value does not parse.
     pub fn metadata_number<T: std::str::FromStr>(&self, key: &str) -> Result<T, HfError> {
         let meta = self.header.metadata().as_ref();
-        let value = meta.and_then(|m| m.get(key)).ok_or_else(|| HfError::Metadata {
-            key: key.to_string(),
-            path: self.path.clone(),
-            found: "missing".to_string(),
-        })?;
+        let value = meta
+            .and_then(|m| m.get(key))
+            .ok_or_else(|| HfError::Metadata {
+                key: key.to_string(),
+                path: self.path.clone(),
+                found: "missing".to_string(),
+            })?;
         value.trim().parse().map_err(|_| HfError::Metadata {
             key: key.to_string(),
             path: self.path.clone(),

@@ -48,7 +48,10 @@ mod tests {
         for text in ["", "hello", "größe ☃ 🦀 日本語", "\0\u{7f}\u{80}"] {
             let ids = t.encode(text);
             assert_eq!(ids.len(), text.len());
-            assert!(ids.iter().all(|&i| (i as usize) < ByteTokenizer::VOCAB_SIZE));
+            assert!(
+                ids.iter()
+                    .all(|&i| (i as usize) < ByteTokenizer::VOCAB_SIZE)
+            );
             assert_eq!(t.decode(&ids), text);
         }
     }

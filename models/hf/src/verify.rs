@@ -8,7 +8,9 @@
 //! `beta`, `eps` and `wd` as `f32` where PyTorch keeps Python floats: a relative difference of at
 //! most ~1e-7 in those scalars, far below the tolerances. So no AdamW of kiln's own is needed.
 
-use crate::{CausalLm, HfError, HfNaming, Reference, causal_lm_loss, hf_grads, hf_tensors};
+use crate::{
+    CausalLm, HfError, HfGrads, HfNaming, Reference, causal_lm_loss, hf_grads, hf_tensors,
+};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
@@ -125,7 +127,11 @@ impl VerifyReport {
 /// # Panics
 /// If the lengths differ.
 pub fn relative_error(actual: &[f32], expected: &[f32]) -> f64 {
-    assert_eq!(actual.len(), expected.len(), "relative_error: lengths differ");
+    assert_eq!(
+        actual.len(),
+        expected.len(),
+        "relative_error: lengths differ"
+    );
     let (mut diff, mut norm) = (0.0f64, 0.0f64);
     for (&a, &b) in actual.iter().zip(expected) {
         diff += (f64::from(a) - f64::from(b)).powi(2);
@@ -148,7 +154,9 @@ fn scalar_error(actual: f64, expected: f32) -> f64 {
 }
 
 fn to_f32(data: TensorData) -> Vec<f32> {
-    data.convert::<f32>().to_vec::<f32>().expect("converted to f32")
+    data.convert::<f32>()
+        .to_vec::<f32>()
+        .expect("converted to f32")
 }
 
 fn loss_value<B: AutodiffBackend>(loss: &Tensor<B, 1>) -> f64 {
@@ -204,7 +212,7 @@ where
     let grads = loss.backward();
     let parts = model.zero_gradient_parts();
     let wanted: Vec<String> = parts.iter().map(|(name, _)| name.clone()).collect();
-    let (norms, whole) = hf_grads(&model, &grads, &wanted);
+    let HfGrads { norms, whole } = hf_grads(&model, &grads, &wanted);
     let norms: BTreeMap<String, f64> = norms
         .into_iter()
         .map(|(name, norm)| (name, norm.unwrap_or(0.0)))
@@ -287,9 +295,7 @@ where
             }
         };
         let keep = |i: &usize| !noise.iter().any(|r| r.contains(i));
-        let pick = |v: &[f32]| -> Vec<f32> {
-            (0..v.len()).filter(keep).map(|i| v[i]).collect()
-        };
+        let pick = |v: &[f32]| -> Vec<f32> { (0..v.len()).filter(keep).map(|i| v[i]).collect() };
         let suffix = if noise.is_empty() {
             String::new()
         } else {

@@ -158,9 +158,7 @@ impl<B: Backend, M: HfNaming> ModuleVisitor<B> for Collector<M> {
             hf_shape(&tensor.dims(), true, &hf.name);
             tensor = tensor.transpose();
         }
-        let data = tensor
-            .into_data()
-            .convert::<f32>();
+        let data = tensor.into_data().convert::<f32>();
         self.tensors.push((hf.name, data));
     }
 }
@@ -211,7 +209,10 @@ pub fn save_weights<B: Backend, M: Module<B> + HfNaming>(
 ///
 /// # Errors
 /// [`HfError::Io`] when the file cannot be written.
-pub fn write_tensors(path: impl AsRef<Path>, tensors: &[(String, TensorData)]) -> Result<(), HfError> {
+pub fn write_tensors(
+    path: impl AsRef<Path>,
+    tensors: &[(String, TensorData)],
+) -> Result<(), HfError> {
     let path = path.as_ref();
     let tensors: Vec<(&str, Cow<'_, TensorData>)> = tensors
         .iter()
@@ -264,8 +265,13 @@ impl<B: AutodiffBackend, M: HfNaming> ModuleVisitor<B> for GradNorms<'_, B, M> {
         if let Some(g) = &grad
             && self.wanted.contains(&hf.name)
         {
-            let g = if hf.transposed { g.clone().transpose() } else { g.clone() };
-            self.whole.push((hf.name.clone(), g.into_data().convert::<f32>()));
+            let g = if hf.transposed {
+                g.clone().transpose()
+            } else {
+                g.clone()
+            };
+            self.whole
+                .push((hf.name.clone(), g.into_data().convert::<f32>()));
         }
         let norm = grad.map(|g| {
             let sum_sq: f64 = g.square().sum().into_scalar().elem_into();
@@ -281,16 +287,25 @@ pub fn hf_grad_norms<B: AutodiffBackend, M: Module<B> + HfNaming>(
     model: &M,
     grads: &B::Gradients,
 ) -> Vec<(String, Option<f64>)> {
-    hf_grads(model, grads, &[]).0
+    hf_grads(model, grads, &[]).norms
 }
 
-/// As [`hf_grad_norms`], and also the whole gradients (`f32`, checkpoint layout) of the parameters
-/// named in `wanted` that have one.
+/// Gradients of a model's parameters, by checkpoint name.
+#[derive(Debug, Clone)]
+pub struct HfGrads {
+    /// Each parameter's gradient L2 norm, in module order; `None` when the loss does not use it.
+    pub norms: Vec<(String, Option<f64>)>,
+    /// The whole gradients (`f32`, checkpoint layout) of the parameters asked for.
+    pub whole: Vec<(String, TensorData)>,
+}
+
+/// As [`hf_grad_norms`], and also the whole gradients of the parameters named in `wanted` that
+/// have one.
 pub fn hf_grads<B: AutodiffBackend, M: Module<B> + HfNaming>(
     model: &M,
     grads: &B::Gradients,
     wanted: &[String],
-) -> (Vec<(String, Option<f64>)>, Vec<(String, TensorData)>) {
+) -> HfGrads {
     let mut visitor = GradNorms::<B, M> {
         grads,
         path: PathStack::default(),
@@ -300,7 +315,10 @@ pub fn hf_grads<B: AutodiffBackend, M: Module<B> + HfNaming>(
         _model: std::marker::PhantomData,
     };
     model.visit(&mut visitor);
-    (visitor.norms, visitor.whole)
+    HfGrads {
+        norms: visitor.norms,
+        whole: visitor.whole,
+    }
 }
 
 /// `f32`/`f64` scalar conversion without naming Burn's element traits at every call.

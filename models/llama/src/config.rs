@@ -84,10 +84,12 @@ impl LlamaConfig {
     /// As [`kiln_hf::read_config`], and [`HfError::UnsupportedConfig`] from [`Self::validate`].
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
         let config: Self = kiln_hf::read_config(&dir)?;
-        config.validate().map_err(|reason| HfError::UnsupportedConfig {
-            path: kiln_hf::config_path(&dir),
-            reason,
-        })?;
+        config
+            .validate()
+            .map_err(|reason| HfError::UnsupportedConfig {
+                path: kiln_hf::config_path(&dir),
+                reason,
+            })?;
         Ok(config)
     }
 
@@ -117,15 +119,21 @@ impl LlamaConfig {
     /// The reason, with the values.
     pub fn validate(&self) -> Result<(), String> {
         let (heads, kv) = (self.num_attention_heads, self.kv_heads());
-        if heads == 0 || kv == 0 || heads % kv != 0 {
+        if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
             return Err(format!(
                 "num_attention_heads({heads}) is not a multiple of num_key_value_heads({kv})"
             ));
         }
-        if self.head_size() == 0 || self.head_size() % 2 != 0 {
-            return Err(format!("head_dim({}) must be even and > 0", self.head_size()));
+        if self.head_size() == 0 || !self.head_size().is_multiple_of(2) {
+            return Err(format!(
+                "head_dim({}) must be even and > 0",
+                self.head_size()
+            ));
         }
-        for rope in [&self.rope_parameters, &self.rope_scaling].into_iter().flatten() {
+        for rope in [&self.rope_parameters, &self.rope_scaling]
+            .into_iter()
+            .flatten()
+        {
             let kind = rope.rope_type.as_ref().or(rope.legacy_type.as_ref());
             if let Some(kind) = kind
                 && kind != "default"

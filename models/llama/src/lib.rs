@@ -36,7 +36,9 @@ impl<B: Backend> Llama<B> {
     /// (named, with both shapes).
     pub fn from_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self, HfError> {
         let config = LlamaConfig::from_dir(&dir)?;
-        config.init(device).load_safetensors(dir.as_ref().join(WEIGHTS_FILE))
+        config
+            .init(device)
+            .load_safetensors(dir.as_ref().join(WEIGHTS_FILE))
     }
 
     /// Replaces every parameter by the tensor of the safetensors file at `path`.

@@ -90,7 +90,8 @@ impl<B: Backend> Attention<B> {
     ) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
         let (h, kv, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let split = |t: Tensor<B, 3>, heads: usize| t.reshape([batch, seq, heads, d]).swap_dims(1, 2);
+        let split =
+            |t: Tensor<B, 3>, heads: usize| t.reshape([batch, seq, heads, d]).swap_dims(1, 2);
         let q = Rope::apply(split(self.q_proj.forward(x.clone()), h), cos, sin);
         let k = Rope::apply(split(self.k_proj.forward(x.clone()), kv), cos, sin);
         let v = split(self.v_proj.forward(x), kv);
@@ -242,9 +243,12 @@ impl<B: Backend> Llama<B> {
         let mask = causal_mask(seq, &device);
         let mut x = m.embed_tokens.forward(input_ids);
         for layer in &m.layers {
-            let attn = layer
-                .self_attn
-                .forward(layer.input_layernorm.forward(x.clone()), &cos, &sin, &mask);
+            let attn = layer.self_attn.forward(
+                layer.input_layernorm.forward(x.clone()),
+                &cos,
+                &sin,
+                &mask,
+            );
             x = x + attn;
             x = x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x));
         }
@@ -297,7 +301,10 @@ impl<B: Backend> HfNaming for Llama<B> {
             .enumerate()
             .filter_map(|(i, layer)| {
                 let bias = layer.self_attn.k_proj.bias.as_ref()?;
-                Some((format!("model.layers.{i}.self_attn.k_proj.bias"), 0..bias.dims()[0]))
+                Some((
+                    format!("model.layers.{i}.self_attn.k_proj.bias"),
+                    0..bias.dims()[0],
+                ))
             })
             .collect()
     }

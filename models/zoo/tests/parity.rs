@@ -8,7 +8,9 @@ use std::path::PathBuf;
 type TB = burn::backend::Autodiff<burn::backend::Flex>;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../hf/tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../hf/tests/fixtures")
+        .join(name)
 }
 
 fn verify(name: &str) -> VerifyReport {
@@ -21,7 +23,10 @@ fn verify(name: &str) -> VerifyReport {
 fn assert_parity(name: &str, params: usize, noise_parts: usize, steps: usize) {
     let report = verify(name);
     for (quantity, check) in report.worst() {
-        println!("{name}: worst {quantity}: {} = {:.3e}", check.name, check.rel_err);
+        println!(
+            "{name}: worst {quantity}: {} = {:.3e}",
+            check.name, check.rel_err
+        );
     }
     let count = |q: Quantity| report.checks.iter().filter(|c| c.quantity == q).count();
     assert_eq!(count(Quantity::Logits), 1);
@@ -41,11 +46,20 @@ fn assert_parity(name: &str, params: usize, noise_parts: usize, steps: usize) {
     assert_eq!(count(Quantity::FinalWeight), params + noise_parts);
     let tol = Tolerances::default();
     assert_eq!(
-        (tol.logits, tol.loss_init, tol.grad_norm, tol.train_loss, tol.final_weight),
+        (
+            tol.logits,
+            tol.loss_init,
+            tol.grad_norm,
+            tol.train_loss,
+            tol.final_weight
+        ),
         (1e-4, 1e-5, 1e-4, 1e-4, 1e-4)
     );
     let failures: Vec<_> = report.checks.iter().filter(|c| !c.ok()).collect();
-    assert!(failures.is_empty(), "{name}: out of tolerance: {failures:#?}");
+    assert!(
+        failures.is_empty(),
+        "{name}: out of tolerance: {failures:#?}"
+    );
 }
 
 #[test]
