@@ -149,3 +149,43 @@ impl LlamaConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> LlamaConfig {
+        serde_json::from_str(json).expect("valid config")
+    }
+
+    const BASE: &str = r#""vocab_size": 8, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2"#;
+
+    #[test]
+    fn theta_from_either_spelling() {
+        assert_eq!(parse(&format!("{{{BASE}}}")).theta(), 10_000.0);
+        assert_eq!(
+            parse(&format!(r#"{{{BASE}, "rope_theta": 5e5}}"#)).theta(),
+            5e5
+        );
+        let v5 = parse(&format!(
+            r#"{{{BASE}, "rope_parameters": {{"rope_theta": 1e6, "rope_type": "default"}}}}"#
+        ));
+        assert_eq!(v5.theta(), 1e6);
+        assert_eq!(v5.validate(), Ok(()));
+    }
+
+    #[test]
+    fn scaled_rope_and_bad_groups_are_rejected() {
+        let scaled = parse(&format!(
+            r#"{{{BASE}, "rope_scaling": {{"type": "llama3", "factor": 8.0}}}}"#
+        ));
+        assert!(scaled.validate().expect_err("llama3").contains("'llama3'"));
+        let gqa = parse(&format!(r#"{{{BASE}, "num_key_value_heads": 3}}"#));
+        assert!(
+            gqa.validate()
+                .expect_err("2 heads, 3 kv heads")
+                .contains("num_attention_heads(2)")
+        );
+    }
+}
