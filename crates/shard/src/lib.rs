@@ -22,6 +22,7 @@
 #![warn(missing_docs)]
 
 mod backend;
+pub mod check;
 mod hook;
 mod ops;
 mod optim;
