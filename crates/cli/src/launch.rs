@@ -196,8 +196,18 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
                 bail!("cannot start rank {rank} ({program}): {e}");
             }
         };
-        pumps.push(pump(rank, child.stdout.take().expect("piped"), false, lock.clone()));
-        pumps.push(pump(rank, child.stderr.take().expect("piped"), true, lock.clone()));
+        pumps.push(pump(
+            rank,
+            child.stdout.take().expect("piped"),
+            false,
+            lock.clone(),
+        ));
+        pumps.push(pump(
+            rank,
+            child.stderr.take().expect("piped"),
+            true,
+            lock.clone(),
+        ));
         ranks.push(Rank {
             rank,
             child,

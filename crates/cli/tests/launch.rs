@@ -72,7 +72,14 @@ fn stderr_of(child: Child) -> String {
 fn launch_runs_the_collective_suite_on_2_and_4_processes() {
     for n in [2, 4] {
         let out = Command::new(KILN)
-            .args(["launch", "--nproc-per-node", &n.to_string(), "--master-port", "0", "--"])
+            .args([
+                "launch",
+                "--nproc-per-node",
+                &n.to_string(),
+                "--master-port",
+                "0",
+                "--",
+            ])
             .args([KILN, "comm-check"])
             .output()
             .unwrap();
@@ -92,7 +99,15 @@ fn two_nodes_on_loopback_form_one_job() {
     let port = free_port().to_string();
     let node = |node_rank: &str| {
         Command::new(KILN)
-            .args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", node_rank])
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                node_rank,
+            ])
             .args(["--master-addr", "127.0.0.1", "--master-port", &port, "--"])
             .args([KILN, "comm-check"])
             .stdout(Stdio::piped())
@@ -111,7 +126,9 @@ fn two_nodes_on_loopback_form_one_job() {
 fn a_killed_process_fails_the_survivors_promptly() {
     let port = free_port();
     // A 60 s timeout: the survivors must notice the death itself, not wait it out.
-    let mut ranks: Vec<Child> = (0..3).map(|r| rank(r, 3, port, "60", &["--soak", "60"])).collect();
+    let mut ranks: Vec<Child> = (0..3)
+        .map(|r| rank(r, 3, port, "60", &["--soak", "60"]))
+        .collect();
     for c in ranks.iter_mut() {
         wait_for_line(c, "soak: all-reducing");
     }
@@ -134,7 +151,9 @@ fn a_killed_process_fails_the_survivors_promptly() {
 #[test]
 fn a_hung_process_makes_the_survivors_time_out() {
     let port = free_port();
-    let mut ranks: Vec<Child> = (0..2).map(|r| rank(r, 2, port, "2", &["--soak", "60"])).collect();
+    let mut ranks: Vec<Child> = (0..2)
+        .map(|r| rank(r, 2, port, "2", &["--soak", "60"]))
+        .collect();
     for c in ranks.iter_mut() {
         wait_for_line(c, "soak: all-reducing");
     }
@@ -145,7 +164,10 @@ fn a_hung_process_makes_the_survivors_time_out() {
     let status = wait_timeout(&mut survivor, Duration::from_secs(15)).expect("survivor hung");
     assert!(!status.success());
     let err = stderr_of(survivor);
-    assert!(err.contains("timed out after 2s waiting for rank 1"), "{err}");
+    assert!(
+        err.contains("timed out after 2s waiting for rank 1"),
+        "{err}"
+    );
     assert!(err.contains("all_reduce #"), "{err}");
     unsafe { libc_kill(hung.id() as i32, 9) };
 }
@@ -159,23 +181,54 @@ unsafe extern "C" {
 fn the_launcher_stops_the_other_ranks_and_returns_the_failing_code() {
     let start = Instant::now();
     let out = Command::new(KILN)
-        .args(["launch", "--nproc-per-node", "3", "--master-port", "0", "--grace", "1", "--"])
-        .args(["sh", "-c", "if [ \"$RANK\" = 1 ]; then echo bye >&2; exit 7; fi; sleep 60"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            "0",
+            "--grace",
+            "1",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "if [ \"$RANK\" = 1 ]; then echo bye >&2; exit 7; fi; sleep 60",
+        ])
         .output()
         .unwrap();
     let t = text(&out);
     assert_eq!(out.status.code(), Some(7), "{t}");
     assert!(t.contains("[rank 1] bye"), "{t}");
-    assert!(t.contains("rank 1 exited with code 7; stopping the 2 other running rank(s)"), "{t}");
-    assert!(start.elapsed() < Duration::from_secs(20), "the sleepers were not stopped");
+    assert!(
+        t.contains("rank 1 exited with code 7; stopping the 2 other running rank(s)"),
+        "{t}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "the sleepers were not stopped"
+    );
 }
 
 #[test]
 fn the_launcher_sets_the_variables() {
     let out = Command::new(KILN)
-        .args(["launch", "--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "2"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "2",
+        ])
         .args(["--master-addr", "10.1.2.3", "--master-port", "1234", "--"])
-        .args(["sh", "-c", "echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/$MASTER_ADDR:$MASTER_PORT"])
+        .args([
+            "sh",
+            "-c",
+            "echo $RANK/$WORLD_SIZE/$LOCAL_RANK/$LOCAL_WORLD_SIZE/$MASTER_ADDR:$MASTER_PORT",
+        ])
         .output()
         .unwrap();
     let t = text(&out);
@@ -186,22 +239,57 @@ fn the_launcher_sets_the_variables() {
 
 #[test]
 fn bad_launches_are_clear_errors() {
-    let out = Command::new(KILN).arg("comm-check").env_remove("RANK").env_remove("WORLD_SIZE").output().unwrap();
-    assert!(!out.status.success());
-    assert!(text(&out).contains("no launcher variables found"), "{}", text(&out));
-
     let out = Command::new(KILN)
-        .args(["launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--", "true"])
-        .output()
-        .unwrap();
-    assert!(text(&out).contains("--node-rank 2 is out of range for --nnodes 2"), "{}", text(&out));
-
-    let out = Command::new(KILN)
-        .args(["launch", "--nproc-per-node", "1", "--master-port", "0", "--", "/no/such/program"])
+        .arg("comm-check")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(text(&out).contains("cannot start rank 0 (/no/such/program)"), "{}", text(&out));
+    assert!(
+        text(&out).contains("no launcher variables found"),
+        "{}",
+        text(&out)
+    );
+
+    let out = Command::new(KILN)
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        text(&out).contains("--node-rank 2 is out of range for --nnodes 2"),
+        "{}",
+        text(&out)
+    );
+
+    let out = Command::new(KILN)
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            "0",
+            "--",
+            "/no/such/program",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("cannot start rank 0 (/no/such/program)"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[test]

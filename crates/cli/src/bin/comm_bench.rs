@@ -20,7 +20,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Parser)]
-#[command(name = "comm-bench", about = "All-reduce bandwidth of kiln's process groups")]
+#[command(
+    name = "comm-bench",
+    about = "All-reduce bandwidth of kiln's process groups"
+)]
 struct Args {
     /// World sizes to run (in-process mode).
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
@@ -177,7 +180,10 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
-    println!("ranks are threads of this process ({} cores)", std::thread::available_parallelism().map_or(1, |n| n.get()));
+    println!(
+        "ranks are threads of this process ({} cores)",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
     header(memcpy);
     for kind in &args.groups {
         for &n in &args.ranks {
