@@ -6,6 +6,7 @@
 //!   (start it under `kiln launch`, torchrun, srun or mpirun).
 
 mod launch;
+mod shard_check;
 mod verify_hf;
 
 use anyhow::Result;
@@ -32,6 +33,8 @@ enum Command {
     CommCheck(CommCheckArgs),
     /// Compare a Hugging Face model directory with its PyTorch reference numbers.
     VerifyHf(verify_hf::VerifyHfArgs),
+    /// Train a small model under a sharding strategy on this job and compare it with a single device.
+    ShardCheck(shard_check::ShardCheckArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -92,6 +95,14 @@ fn main() {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("kiln comm-check: error: {e:#}");
+                1
+            }
+        },
+        Command::ShardCheck(args) => match shard_check::shard_check(args) {
+            Ok(true) => 0,
+            Ok(false) => 1,
+            Err(e) => {
+                eprintln!("kiln shard-check: error: {e:#}");
                 1
             }
         },

@@ -2,21 +2,25 @@
 //! every quantity with its `reference.safetensors` (see `models/hf` and `kiln_zoo::verify_dir`).
 
 use anyhow::{Result, bail};
-use burn::backend::{Autodiff, Flex};
-use kiln_hf::verify::Tolerances;
+use kiln::{Flex, Train};
+use kiln_comm::{LocalGroup, ProcessGroup};
+use kiln_hf::verify::{Tolerances, VerifyReport};
+use kiln_shard::Strategy;
+use kiln_zoo::parallel::Sharding;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// The backend verification runs on.
-type Backend = Autodiff<Flex>;
+type Backend = Train<Flex>;
 
 #[derive(Debug, clap::Args)]
 pub struct VerifyHfArgs {
     /// A model directory: config.json, model.safetensors, reference.safetensors.
     pub dir: PathBuf,
-    /// The parallelism strategy to verify under (only `single` for now).
+    /// `single`, or a sharding strategy: ddp, zero3 (fsdp), hybrid:S.
     #[arg(long, default_value = "single")]
     pub strategy: String,
-    /// The number of ranks (only 1 for now).
+    /// Ranks (threads of this process) for a sharding strategy.
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
 }
@@ -24,16 +28,31 @@ pub struct VerifyHfArgs {
 /// Prints one line per check and a summary; returns the exit code: 0 when every quantity is within
 /// tolerance, 1 otherwise.
 pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
-    if args.strategy != "single" || args.ranks != 1 {
-        bail!(
-            "--strategy {} --ranks {}: only single-device verification (--strategy single \
-             --ranks 1) is implemented; sharded verification arrives with the decorator",
-            args.strategy,
-            args.ranks
-        );
-    }
     let tolerances = Tolerances::default();
-    let report = kiln_zoo::verify_dir::<Backend>(&args.dir, &tolerances, &Default::default())?;
+    let report = if args.strategy == "single" {
+        if args.ranks != 1 {
+            bail!("--strategy single runs on one rank, not {}; name a sharding strategy", args.ranks);
+        }
+        kiln_zoo::verify_dir::<Backend>(&args.dir, &tolerances, &Default::default())?
+    } else {
+        let strategy: Strategy = args.strategy.parse()?;
+        if args.ranks == 0 {
+            bail!("--ranks must be at least 1");
+        }
+        let reports = kiln_comm::spawn_ranks(args.ranks, |g: LocalGroup| {
+            let group: Arc<dyn ProcessGroup> = Arc::new(g);
+            let parallel = Sharding::<Flex>::new(group, strategy)?;
+            kiln_zoo::verify_dir_with::<Backend, _>(&args.dir, &tolerances, &Default::default(), &parallel)
+        });
+        // Every rank computed every quantity; report the worst rank's value of each.
+        merge(reports.into_iter().collect::<Result<Vec<_>, _>>()?)
+    };
+    println!(
+        "{}: {} on {} rank(s)",
+        args.dir.display(),
+        args.strategy,
+        args.ranks
+    );
     let width = report
         .checks
         .iter()
@@ -76,4 +95,18 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
         );
         Ok(1)
     }
+}
+
+/// The largest error of each check over the ranks.
+fn merge(mut reports: Vec<VerifyReport>) -> VerifyReport {
+    let mut first = reports.remove(0);
+    for other in reports {
+        for (mine, theirs) in first.checks.iter_mut().zip(other.checks) {
+            debug_assert_eq!(mine.name, theirs.name);
+            if !(theirs.rel_err <= mine.rel_err) {
+                mine.rel_err = theirs.rel_err;
+            }
+        }
+    }
+    first
 }

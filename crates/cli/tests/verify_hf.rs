@@ -38,20 +38,44 @@ fn verify_hf_passes_on_a_fixture() {
     assert!(!stdout.contains("FAIL"), "{stdout}");
 }
 
+/// ZeRO-3 at 2 and 4 ranks and DDP at 2 reach PyTorch's numbers on both fixtures.
 #[test]
-fn verify_hf_rejects_sharded_for_now() {
+fn verify_hf_passes_sharded() {
+    for name in ["tiny-gpt2", "tiny-llama"] {
+        let dir = fixture(name);
+        for (strategy, ranks) in [("zero3", "2"), ("zero3", "4"), ("ddp", "2")] {
+            let out = kiln(&[
+                "verify-hf",
+                dir.to_str().expect("utf-8 path"),
+                "--strategy",
+                strategy,
+                "--ranks",
+                ranks,
+            ]);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{name} {strategy} x{ranks}: exit {:?}\n{stdout}\n{}",
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(stdout.contains(&format!("{strategy} on {ranks} rank(s)")), "{stdout}");
+            assert!(stdout.contains("train_loss[9]") && !stdout.contains("FAIL"), "{stdout}");
+        }
+    }
+}
+
+#[test]
+fn verify_hf_names_what_it_cannot_run() {
     let dir = fixture("tiny-llama");
-    let out = kiln(&[
-        "verify-hf",
-        dir.to_str().expect("utf-8 path"),
-        "--strategy",
-        "fsdp",
-        "--ranks",
-        "2",
-    ]);
+    let dir = dir.to_str().expect("utf-8 path");
+    let out = kiln(&["verify-hf", dir, "--strategy", "zero1", "--ranks", "2"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("arrives with the decorator"), "{stderr}");
+    assert!(stderr.contains("kiln shard-check --strategy zero1"), "{stderr}");
+    let out = kiln(&["verify-hf", dir, "--strategy", "zerro3", "--ranks", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("unknown strategy 'zerro3'"), "{stderr}");
 }
 
 #[test]

@@ -33,5 +33,5 @@ mod tensor;
 pub use backend::Shard;
 pub use optim::{ShardedOptimizer, clip_grad_norm};
 pub use state::{ShardConfig, ShardError, Strategy};
-pub use strategy::{backward, gather_model, shard};
+pub use strategy::{backward, gather_model, remark, shard};
 pub use tensor::{ShardTensor, Sharded};

@@ -215,6 +215,17 @@ where
     M: burn::module::AutodiffModule<AB>,
 {
     let grads = burn::optim::GradientsParams::from_grads(loss.backward(), module);
+    remark(module);
+    grads
+}
+
+/// Marks every trainable parameter of `module` again for gradient reduction; call it after a
+/// backward pass that is followed by another before the optimizer step (see [`backward`]).
+pub fn remark<AB, M>(module: &M)
+where
+    AB: AutodiffBackend,
+    M: burn::module::AutodiffModule<AB>,
+{
     struct Remark;
     impl<AB: AutodiffBackend> ModuleVisitor<AB> for Remark {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
@@ -225,5 +236,4 @@ where
         }
     }
     module.visit(&mut Remark);
-    grads
 }

@@ -107,4 +107,7 @@ pub enum HfError {
         /// The supported types, comma-separated.
         supported: String,
     },
+    /// Setting up parallel training for the check failed (sharding, communication).
+    #[error("parallel setup: {0}")]
+    Parallel(String),
 }

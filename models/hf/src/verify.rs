@@ -163,15 +163,35 @@ fn loss_value<B: AutodiffBackend>(loss: &Tensor<B, 1>) -> f64 {
     f64::from(to_f32(loss.clone().into_data())[0])
 }
 
-/// Runs on `model` what PyTorch ran for `reference` and compares: the logits and loss of the initial
-/// weights, each parameter's gradient norm, the loss before each of `reference.optimizer.steps`
-/// AdamW steps on the same batch, and every parameter after them. Parts of tensors the loss does not
-/// depend on ([`HfNaming::zero_gradient_parts`]) are left out of the final-weight comparison (their
-/// trained values are rounding noise, reported with an infinite tolerance) and checked instead to
-/// carry a negligible share of their tensor's initial gradient.
+/// How the checked training runs across devices. [`SingleDevice`] runs it as written; kiln's
+/// sharding strategies implement this (in `kiln-cli`), so that `kiln verify-hf --strategy zero3
+/// --ranks 4` checks the same numbers through sharded training without this crate depending on
+/// the decorator.
+pub trait Parallel<B: AutodiffBackend> {
+    /// Puts the freshly loaded model under the strategy (every rank calls it).
+    ///
+    /// # Errors
+    /// [`HfError::Parallel`] when the strategy cannot be set up.
+    fn prepare<M: AutodiffModule<B>>(&self, model: M) -> Result<M, HfError>;
+    /// Called after each backward pass with the model, before its gradients are used.
+    fn after_backward<M: AutodiffModule<B>>(&self, model: &M);
+}
+
+/// Plain single-device training.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SingleDevice;
+
+impl<B: AutodiffBackend> Parallel<B> for SingleDevice {
+    fn prepare<M: AutodiffModule<B>>(&self, model: M) -> Result<M, HfError> {
+        Ok(model)
+    }
+    fn after_backward<M: AutodiffModule<B>>(&self, _model: &M) {}
+}
+
+/// [`verify_model_with`] on a single device.
 ///
 /// # Errors
-/// [`HfError::ShapeMismatch`] when the model's logits and the reference's differ in shape.
+/// As [`verify_model_with`].
 pub fn verify_model<B, M>(
     model: M,
     reference: &Reference,
@@ -182,6 +202,36 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B> + CausalLm<B> + HfNaming,
 {
+    verify_model_with(model, reference, tolerances, device, &SingleDevice)
+}
+
+/// Runs on `model` what PyTorch ran for `reference` and compares: the logits and loss of the initial
+/// weights, each parameter's gradient norm, the loss before each of `reference.optimizer.steps`
+/// AdamW steps on the same batch, and every parameter after them. Parts of tensors the loss does not
+/// depend on ([`HfNaming::zero_gradient_parts`]) are left out of the final-weight comparison (their
+/// trained values are rounding noise, reported with an infinite tolerance) and checked instead to
+/// carry a negligible share of their tensor's initial gradient.
+///
+/// Training runs through `parallel`; under a data-parallel strategy every rank trains on the
+/// whole reference batch (it is too small to split), so the averaged gradients are the
+/// single-device ones and the same PyTorch numbers apply.
+///
+/// # Errors
+/// [`HfError::ShapeMismatch`] when the model's logits and the reference's differ in shape;
+/// [`HfError::Parallel`] from `parallel`.
+pub fn verify_model_with<B, M, P>(
+    model: M,
+    reference: &Reference,
+    tolerances: &Tolerances,
+    device: &B::Device,
+    parallel: &P,
+) -> Result<VerifyReport, HfError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B> + CausalLm<B> + HfNaming,
+    P: Parallel<B>,
+{
+    let model = parallel.prepare(model)?;
     let mut checks = Vec::new();
     let input_ids = Tensor::<B, 2, Int>::from_data(reference.input_ids.clone(), device);
     let labels = Tensor::<B, 2, Int>::from_data(reference.labels.clone(), device);
@@ -213,6 +263,7 @@ where
         tolerance: tolerances.loss_init,
     });
     let grads = loss.backward();
+    parallel.after_backward(&model);
     let parts = model.zero_gradient_parts();
     let wanted: Vec<String> = parts.iter().map(|(name, _)| name.clone()).collect();
     let HfGrads { norms, whole } = hf_grads(&model, &grads, &wanted);
@@ -274,6 +325,7 @@ where
             tolerance: tolerances.train_loss,
         });
         let grads = GradientsParams::from_grads(loss.backward(), &model);
+        parallel.after_backward(&model);
         model = optimizer.step(settings.lr, model, grads);
     }
 

@@ -5,19 +5,22 @@
 //! them: dispatching on `model_type` therefore lives here, one level above.
 //!
 //! ```no_run
-//! use burn::backend::{Autodiff, Flex};
+//! use kiln::{Flex, Train};
 //! use kiln_hf::verify::Tolerances;
 //!
 //! let dir = "models/hf/tests/fixtures/tiny-llama";
-//! let report = kiln_zoo::verify_dir::<Autodiff<Flex>>(dir, &Tolerances::default(), &Default::default())?;
+//! let report = kiln_zoo::verify_dir::<Train<Flex>>(dir, &Tolerances::default(), &Default::default())?;
 //! assert!(report.passed());
 //! # Ok::<(), kiln_hf::HfError>(())
 //! ```
 #![warn(missing_docs)]
 
+#[cfg(feature = "sharding")]
+pub mod parallel;
+
 use burn::tensor::backend::AutodiffBackend;
 use kiln_gpt2::Gpt2;
-use kiln_hf::verify::{Tolerances, VerifyReport, verify_model};
+use kiln_hf::verify::{Parallel, SingleDevice, Tolerances, VerifyReport, verify_model_with};
 use kiln_hf::{HfError, REFERENCE_FILE, Reference, config_path, model_type};
 use kiln_llama::Llama;
 use std::path::Path;
@@ -37,6 +40,19 @@ pub fn verify_dir<B: AutodiffBackend>(
     tolerances: &Tolerances,
     device: &B::Device,
 ) -> Result<VerifyReport, HfError> {
+    verify_dir_with::<B, _>(dir, tolerances, device, &SingleDevice)
+}
+
+/// [`verify_dir`] with training run through `parallel` (e.g. a kiln sharding strategy).
+///
+/// # Errors
+/// As [`verify_dir`], and [`HfError::Parallel`] from `parallel`.
+pub fn verify_dir_with<B: AutodiffBackend, P: Parallel<B>>(
+    dir: impl AsRef<Path>,
+    tolerances: &Tolerances,
+    device: &B::Device,
+    parallel: &P,
+) -> Result<VerifyReport, HfError> {
     let dir = dir.as_ref();
     let kind = model_type(dir)?;
     // Fail on an unsupported model before reading the (possibly large) files.
@@ -49,17 +65,19 @@ pub fn verify_dir<B: AutodiffBackend>(
     }
     let reference = Reference::read(dir.join(REFERENCE_FILE))?;
     match kind.as_str() {
-        "gpt2" => verify_model(
+        "gpt2" => verify_model_with(
             Gpt2::<B>::from_pretrained(dir, device)?,
             &reference,
             tolerances,
             device,
+            parallel,
         ),
-        "llama" => verify_model(
+        "llama" => verify_model_with(
             Llama::<B>::from_pretrained(dir, device)?,
             &reference,
             tolerances,
             device,
+            parallel,
         ),
         _ => unreachable!("checked against MODEL_TYPES"),
     }

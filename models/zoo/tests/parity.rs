@@ -4,8 +4,9 @@ use kiln_hf::HfError;
 use kiln_hf::verify::{Quantity, Tolerances, VerifyReport};
 use std::path::PathBuf;
 
-/// The backend under test (to be swapped for kiln's decorated stack).
-type TB = burn::backend::Autodiff<burn::backend::Flex>;
+// kiln turns on Burn's `distributed` feature, so the training backend is `Autodiff<Kiln<Flex>>`
+// (only forwarding here); `reference/` checks the same against plain `Autodiff<Flex>`.
+type TB = kiln::Train<kiln::Flex>;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

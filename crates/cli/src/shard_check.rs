@@ -1,0 +1,108 @@
+//! `kiln shard-check`: trains a small MLP under a strategy on this job's ranks and checks it
+//! against single-device training of the same global batch (every rank also computes the
+//! reference). Run it under `kiln launch` (ranks are processes over TCP, or GPUs over NCCL),
+//! or alone with `--ranks N` (ranks are threads).
+
+use anyhow::{Result, bail};
+use kiln_comm::{GroupOptions, LocalGroup, ProcessGroup, TcpGroup};
+use kiln_shard::Strategy;
+use kiln_shard::check::{Errors, Mlp, Options, train};
+use std::sync::Arc;
+
+/// Arguments of `kiln shard-check`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ShardCheckArgs {
+    /// ddp, zero1, zero2, zero3 (fsdp) or hybrid:S.
+    #[arg(long, default_value = "zero3")]
+    strategy: String,
+    /// AdamW steps.
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Ranks as threads of this process, when not started by a launcher.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Process group when launched: tcp, or nccl (GPUs; needs --features nccl).
+    #[arg(long, default_value = "tcp")]
+    backend: String,
+    /// Inner backend: cpu (Flex), or cuda (needs --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Largest relative error accepted (losses, and all parameters as one vector).
+    #[arg(long, default_value_t = 1e-5)]
+    tolerance: f64,
+}
+
+fn run_rank<B: burn::tensor::backend::Backend>(
+    group: Arc<dyn ProcessGroup>,
+    strategy: Strategy,
+    opts: Options,
+    device: &B::Device,
+) -> Result<Errors> {
+    let reference = train::<B, _>(Mlp::new(device), None, strategy, opts, device)?;
+    let run = train::<B, _>(Mlp::new(device), Some(group), strategy, opts, device)?;
+    Ok(Errors::of(&run, &reference))
+}
+
+fn on_device(
+    group: Arc<dyn ProcessGroup>,
+    args: &ShardCheckArgs,
+    strategy: Strategy,
+    opts: Options,
+    local_rank: usize,
+) -> Result<Errors> {
+    match args.device.as_str() {
+        "cpu" => run_rank::<burn::backend::Flex>(group, strategy, opts, &Default::default()),
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            let device = burn::backend::cuda::CudaDevice::new(local_rank);
+            run_rank::<kiln::Cuda>(group, strategy, opts, &device)
+        }
+        other => {
+            let _ = local_rank;
+            bail!("device '{other}' is not built in (cpu; cuda needs `--features cuda`)")
+        }
+    }
+}
+
+pub fn shard_check(args: &ShardCheckArgs) -> Result<bool> {
+    let strategy: Strategy = args.strategy.parse()?;
+    let opts = Options {
+        steps: args.steps,
+        ..Options::default()
+    };
+    let report = |rank: usize, world: usize, e: &Errors| {
+        let ok = e.worst() <= args.tolerance;
+        println!(
+            "rank {rank} of {world}: {strategy}, {} steps: loss error {:.3e}, parameter error {:.3e} \
+             (largest single tensor {:.3e}) vs single-device: {}",
+            opts.steps,
+            e.loss,
+            e.params,
+            e.tensor,
+            if ok { "ok" } else { "FAIL" }
+        );
+        ok
+    };
+    if std::env::var_os("RANK").is_some() {
+        let env = kiln_comm::LaunchEnv::from_env()?;
+        let group: Arc<dyn ProcessGroup> = match args.backend.as_str() {
+            "tcp" => Arc::new(TcpGroup::from_launch_env(&env, GroupOptions::default())?),
+            #[cfg(feature = "nccl")]
+            "nccl" => Arc::new(kiln_comm::NcclGroup::from_launch_env(&env, GroupOptions::default())?),
+            other => bail!("process group '{other}' is not built in (tcp; nccl needs `--features nccl`)"),
+        };
+        let (rank, world) = (group.rank(), group.world_size());
+        let errors = on_device(group, args, strategy, opts, env.local_rank)?;
+        return Ok(report(rank, world, &errors));
+    }
+    let results = kiln_comm::spawn_ranks(args.ranks, |g: LocalGroup| {
+        let (rank, world) = (g.rank(), g.world_size());
+        on_device(Arc::new(g), args, strategy, opts, rank).map(|e| (rank, world, e))
+    });
+    let mut all_ok = true;
+    for r in results {
+        let (rank, world, e) = r?;
+        all_ok &= report(rank, world, &e);
+    }
+    Ok(all_ok)
+}
