@@ -315,3 +315,19 @@ fn a_port_in_use_is_named() {
     assert!(err.contains("already in use"), "{err}");
     assert!(err.contains(&port.to_string()), "{err}");
 }
+
+/// The decorator across real processes: ZeRO-3 and DDP over TCP equal single-device training.
+#[test]
+fn shard_check_over_processes() {
+    for (strategy, n) in [("zero3", "3"), ("ddp", "2")] {
+        let out = Command::new(KILN)
+            .args(["launch", "--nproc-per-node", n, "--master-port", "0", "--"])
+            .args([KILN, "shard-check", "--strategy", strategy, "--steps", "10"])
+            .output()
+            .unwrap();
+        let t = text(&out);
+        assert!(out.status.success(), "{t}");
+        assert!(t.contains(&format!("[rank 0] rank 0 of {n}: {strategy}, 10 steps")), "{t}");
+        assert!(!t.contains("FAIL"), "{t}");
+    }
+}

@@ -70,6 +70,20 @@ fn flush<B: Backend>(s: &mut RankState<B>) {
     if bucket.is_empty() {
         return;
     }
+    if s.shard_group.world_size() == 1 && s.replicate_group.is_none() {
+        // Nothing to reduce: the gradients are already whole and final; a ZeRO strategy's
+        // "shard" of a one-rank group is the whole tensor, so only the layout changes.
+        if s.config.strategy.shards_optimizer() {
+            for p in &bucket {
+                // SAFETY: see `PendingGrad`.
+                unsafe {
+                    let whole = local((*p.ptr).clone());
+                    *p.ptr = ShardTensor::Sharded(slice_local::<B>(whole, &s.shard_group));
+                }
+            }
+        }
+        return;
+    }
     // SAFETY: see `PendingGrad`: each pointer is valid and not aliased while we hold it.
     let grads: Vec<B::FloatTensorPrimitive> = bucket
         .iter()
