@@ -4,11 +4,12 @@
 //! moment a marked parameter's gradient is final, in the same (graph-determined) order on every
 //! rank, and `submit_sync_collective` when backward ends. Gradients are collected into a bucket
 //! and reduced together once it holds `bucket_bytes`:
-//! - DDP, ZeRO-1: all-reduce (average) the concatenation; ZeRO-1 keeps only its slice;
-//! - ZeRO-2/3: reduce-scatter (average) so that each rank receives the shard of every gradient
+//! - DDP: all-reduce (average) the concatenation;
+//! - ZeRO-1/2/3: reduce-scatter (average) so that each rank receives the shard of every gradient
 //!   it owns. Each gradient's shards are padded to equal length and laid out rank-major, so one
 //!   reduce-scatter of equal chunks serves a bucket of unevenly divisible tensors (FSDP's flat
-//!   parameter padding);
+//!   parameter padding). ZeRO-1 flushes once, when backward ends (whole gradients coexist until
+//!   then, as ZeRO-1 defines); ZeRO-2/3 flush whenever a bucket is full;
 //! - hybrid: reduce-scatter within the sharding group, then all-reduce the shards across groups.
 
 use crate::ops::policy::{Host, local, read, slice_local, write};
@@ -52,7 +53,7 @@ impl<B: Backend> DistributedBackend for Shard<B> {
                 ptr: tensor.0,
                 shape,
             });
-            if s.bucket_bytes >= s.config.bucket_bytes {
+            if s.config.strategy.reduces_during_backward() && s.bucket_bytes >= s.config.bucket_bytes {
                 flush(s);
             }
         });
@@ -115,19 +116,10 @@ fn flush<B: Backend>(s: &mut RankState<B>) {
         let mut offset = 0;
         for p in &bucket {
             let n = p.shape.num_elements();
-            let whole = write::<B>(
-                flat.slice(offset, offset + n).into_data(p.shape.clone()),
-                &device,
-                dtype,
-            );
+            let data = flat.slice(offset, offset + n).into_data(p.shape.clone());
             offset += n;
-            let value = if strategy.shards_optimizer() {
-                ShardTensor::Sharded(slice_local::<B>(whole, &group))
-            } else {
-                ShardTensor::Local(whole)
-            };
             // SAFETY: see `PendingGrad`.
-            unsafe { *p.ptr = value };
+            unsafe { *p.ptr = ShardTensor::Local(write::<B>(data, &device, dtype)) };
         }
         return;
     }

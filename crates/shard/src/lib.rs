@@ -21,6 +21,7 @@
 //! (validation, metrics, saving) runs on all ranks.
 #![warn(missing_docs)]
 
+pub mod account;
 mod backend;
 pub mod check;
 mod hook;
@@ -32,6 +33,6 @@ mod tensor;
 
 pub use backend::Shard;
 pub use optim::{ShardedOptimizer, clip_grad_norm};
-pub use state::{ShardConfig, ShardError, Strategy};
+pub use state::{ShardConfig, ShardError, Strategy, local_reads};
 pub use strategy::{backward, gather_model, remark, shard};
 pub use tensor::{ShardTensor, Sharded};

@@ -16,9 +16,11 @@ use std::sync::Arc;
 pub enum Strategy {
     /// Everything replicated; gradients all-reduced (PyTorch DDP).
     Ddp,
-    /// Optimizer state sharded; gradients all-reduced; parameters all-gathered after the step.
+    /// Optimizer state sharded. Whole gradients live until backward ends, then are
+    /// reduce-scattered at once; parameters are all-gathered after the step.
     Zero1,
-    /// Optimizer state and gradients sharded (gradients reduce-scattered during backward).
+    /// Optimizer state and gradients sharded: gradients are reduce-scattered bucket by bucket
+    /// during backward, so whole-model gradients never coexist.
     Zero2,
     /// Parameters too: FSDP full shard. Parameters are gathered on use and dropped after.
     Zero3,
@@ -35,12 +37,14 @@ impl Strategy {
     pub fn shards_params(self) -> bool {
         matches!(self, Strategy::Zero3 | Strategy::Hybrid { .. })
     }
-    /// Gradients are reduce-scattered (not all-reduced) during backward.
+    /// Gradients are reduce-scattered (each rank keeps the shard it owns), not all-reduced.
     pub fn shards_grads(self) -> bool {
-        matches!(
-            self,
-            Strategy::Zero2 | Strategy::Zero3 | Strategy::Hybrid { .. }
-        )
+        !matches!(self, Strategy::Ddp)
+    }
+    /// Gradients are reduced bucket by bucket as backward produces them (all but ZeRO-1, which
+    /// reduces them all when backward ends).
+    pub fn reduces_during_backward(self) -> bool {
+        !matches!(self, Strategy::Zero1)
     }
     /// The optimizer updates only this rank's slice.
     pub fn shards_optimizer(self) -> bool {
@@ -142,6 +146,25 @@ pub(crate) struct RankState<B: Backend> {
 
 thread_local! {
     static STATES: RefCell<HashMap<TypeId, Box<dyn Any>>> = RefCell::new(HashMap::new());
+    static LOCAL_READS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with reads of sharded tensors returning this rank's shard (flat, 1-D) instead of
+/// gathering the whole tensor: for per-rank snapshots and for measuring what a rank holds.
+/// No collective happens for such reads, so one rank may read alone.
+pub fn local_reads<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LOCAL_READS.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(LOCAL_READS.with(|c| c.replace(true)));
+    f()
+}
+
+pub(crate) fn reading_locally() -> bool {
+    LOCAL_READS.with(std::cell::Cell::get)
 }
 
 pub(crate) fn install<B: Backend>(state: RankState<B>) {

@@ -63,11 +63,15 @@ pub(crate) fn float_empty<B: Backend>(
 // ----- reading and metadata -----
 
 /// Reading a shard gathers it first: a collective, so every rank must read (e.g. validation
-/// and checkpointing run on all ranks, never on rank 0 alone).
+/// and checkpointing run on all ranks, never on rank 0 alone). Inside
+/// [`local_reads`](crate::local_reads) it reads this rank's shard instead.
 pub(crate) fn float_into_data<B: Backend>(
     tensor: FloatTensor<Shard<B>>,
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-    B::float_into_data(local(tensor))
+    match tensor {
+        ShardTensor::Sharded(s) if crate::state::reading_locally() => B::float_into_data(s.shard),
+        t => B::float_into_data(local(t)),
+    }
 }
 
 pub(crate) fn float_device<B: Backend>(tensor: &FloatTensor<Shard<B>>) -> Device<B> {
