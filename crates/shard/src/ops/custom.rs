@@ -98,6 +98,9 @@ fn reduce_all<B: Backend>(
 ) -> FloatTensor<Shard<B>> {
     let s = match tensor {
         ShardTensor::Local(t) => return ShardTensor::Local(local_op(t)),
+        ShardTensor::Sharded(s) if s.group.world_size() == 1 => {
+            return ShardTensor::Local(local_op(s.shard));
+        }
         ShardTensor::Sharded(s) => s,
     };
     let device = B::float_device(&s.shard);
