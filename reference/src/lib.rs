@@ -1,0 +1,1 @@
+//! See tests/: kiln's models on plain Burn.
