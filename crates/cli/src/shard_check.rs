@@ -55,6 +55,26 @@ fn on_device(
         #[cfg(feature = "cuda")]
         "cuda" => {
             let device = burn::backend::cuda::CudaDevice::new(local_rank);
+            // The GPU's single-device run against the CPU's, before the sharded comparison.
+            let gpu = train::<kiln::Cuda, _>(Mlp::new(&device), None, strategy, opts, &device)?;
+            let cpu_device = Default::default();
+            let cpu = train::<burn::backend::Flex, _>(
+                Mlp::new(&cpu_device),
+                None,
+                strategy,
+                opts,
+                &cpu_device,
+            )?;
+            let e = Errors::of(&gpu, &cpu);
+            println!(
+                "rank {}: single-device cuda vs cpu: loss error {:.3e}, parameter error {:.3e}",
+                group.rank(),
+                e.loss,
+                e.params
+            );
+            if e.worst() > 1e-4 {
+                bail!("cuda and cpu disagree beyond 1e-4: {e:?}");
+            }
             run_rank::<kiln::Cuda>(group, strategy, opts, &device)
         }
         other => {
@@ -88,8 +108,13 @@ pub fn shard_check(args: &ShardCheckArgs) -> Result<bool> {
         let group: Arc<dyn ProcessGroup> = match args.backend.as_str() {
             "tcp" => Arc::new(TcpGroup::from_launch_env(&env, GroupOptions::default())?),
             #[cfg(feature = "nccl")]
-            "nccl" => Arc::new(kiln_comm::NcclGroup::from_launch_env(&env, GroupOptions::default())?),
-            other => bail!("process group '{other}' is not built in (tcp; nccl needs `--features nccl`)"),
+            "nccl" => Arc::new(kiln_comm::NcclGroup::from_launch_env(
+                &env,
+                GroupOptions::default(),
+            )?),
+            other => {
+                bail!("process group '{other}' is not built in (tcp; nccl needs `--features nccl`)")
+            }
         };
         let (rank, world) = (group.rank(), group.world_size());
         let errors = on_device(group, args, strategy, opts, env.local_rank)?;

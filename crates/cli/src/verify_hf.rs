@@ -31,7 +31,10 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
     let tolerances = Tolerances::default();
     let report = if args.strategy == "single" {
         if args.ranks != 1 {
-            bail!("--strategy single runs on one rank, not {}; name a sharding strategy", args.ranks);
+            bail!(
+                "--strategy single runs on one rank, not {}; name a sharding strategy",
+                args.ranks
+            );
         }
         kiln_zoo::verify_dir::<Backend>(&args.dir, &tolerances, &Default::default())?
     } else {
@@ -42,7 +45,12 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
         let reports = kiln_comm::spawn_ranks(args.ranks, |g: LocalGroup| {
             let group: Arc<dyn ProcessGroup> = Arc::new(g);
             let parallel = Sharding::<Flex>::new(group, strategy)?;
-            kiln_zoo::verify_dir_with::<Backend, _>(&args.dir, &tolerances, &Default::default(), &parallel)
+            kiln_zoo::verify_dir_with::<Backend, _>(
+                &args.dir,
+                &tolerances,
+                &Default::default(),
+                &parallel,
+            )
         });
         // Every rank computed every quantity; report the worst rank's value of each.
         merge(reports.into_iter().collect::<Result<Vec<_>, _>>()?)

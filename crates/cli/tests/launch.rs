@@ -327,7 +327,10 @@ fn shard_check_over_processes() {
             .unwrap();
         let t = text(&out);
         assert!(out.status.success(), "{t}");
-        assert!(t.contains(&format!("[rank 0] rank 0 of {n}: {strategy}, 10 steps")), "{t}");
+        assert!(
+            t.contains(&format!("[rank 0] rank 0 of {n}: {strategy}, 10 steps")),
+            "{t}"
+        );
         assert!(!t.contains("FAIL"), "{t}");
     }
 }

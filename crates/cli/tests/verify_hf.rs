@@ -59,8 +59,14 @@ fn verify_hf_passes_sharded() {
                 out.status.code(),
                 String::from_utf8_lossy(&out.stderr)
             );
-            assert!(stdout.contains(&format!("{strategy} on {ranks} rank(s)")), "{stdout}");
-            assert!(stdout.contains("train_loss[9]") && !stdout.contains("FAIL"), "{stdout}");
+            assert!(
+                stdout.contains(&format!("{strategy} on {ranks} rank(s)")),
+                "{stdout}"
+            );
+            assert!(
+                stdout.contains("train_loss[9]") && !stdout.contains("FAIL"),
+                "{stdout}"
+            );
         }
     }
 }
@@ -72,7 +78,10 @@ fn verify_hf_names_what_it_cannot_run() {
     let out = kiln(&["verify-hf", dir, "--strategy", "zero1", "--ranks", "2"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("kiln shard-check --strategy zero1"), "{stderr}");
+    assert!(
+        stderr.contains("kiln shard-check --strategy zero1"),
+        "{stderr}"
+    );
     let out = kiln(&["verify-hf", dir, "--strategy", "zerro3", "--ranks", "2"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("unknown strategy 'zerro3'"), "{stderr}");

@@ -43,7 +43,9 @@ where
     M: Module<AB>,
 {
     struct Sum<'a, B>(usize, &'a GradientsParams, PhantomData<B>);
-    impl<B: Backend, AB: AutodiffBackend<InnerBackend = crate::Shard<B>>> ModuleVisitor<AB> for Sum<'_, B> {
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = crate::Shard<B>>> ModuleVisitor<AB>
+        for Sum<'_, B>
+    {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.1.get::<crate::Shard<B>, D>(p.id) {
                 let prim = g.into_primitive().tensor();
@@ -70,4 +72,3 @@ pub fn record_bytes<B: Backend, R: Record<B>>(record: R) -> usize {
             .len()
     })
 }
-

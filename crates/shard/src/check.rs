@@ -6,7 +6,9 @@
 //! reference on the whole batch with no sharding (the decorator then only forwards). The losses
 //! and final parameters must agree to float tolerance.
 
-use crate::{Shard, ShardConfig, ShardError, ShardedOptimizer, Strategy, clip_grad_norm, gather_model, shard};
+use crate::{
+    Shard, ShardConfig, ShardError, ShardedOptimizer, Strategy, clip_grad_norm, gather_model, shard,
+};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::nn::{Linear, Relu};
@@ -39,7 +41,11 @@ pub struct Mlp<B: Backend> {
     act: Relu,
 }
 
-fn deterministic<B: Backend, const D: usize>(shape: [usize; D], salt: usize, device: &B::Device) -> Param<Tensor<B, D>> {
+fn deterministic<B: Backend, const D: usize>(
+    shape: [usize; D],
+    salt: usize,
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
     let n: usize = shape.iter().product();
     let scale = 1.0 / (shape[0] as f32).sqrt();
     let v: Vec<f32> = (0..n)
@@ -83,10 +89,14 @@ pub fn data<B: Backend>(
     let n = rows.len();
     let x: Vec<f32> = rows
         .clone()
-        .flat_map(|i| (0..width).map(move |j| (((i * 31 + j * 7 + step * 13) % 17) as f32 / 8.0) - 1.0))
+        .flat_map(|i| {
+            (0..width).map(move |j| (((i * 31 + j * 7 + step * 13) % 17) as f32 / 8.0) - 1.0)
+        })
         .collect();
     let y: Vec<f32> = rows
-        .flat_map(|i| (0..OUTPUTS).map(move |j| (((i * 5 + j * 11 + step * 3) % 7) as f32 / 3.0) - 1.0))
+        .flat_map(|i| {
+            (0..OUTPUTS).map(move |j| (((i * 5 + j * 11 + step * 3) % 7) as f32 / 3.0) - 1.0)
+        })
         .collect();
     (
         Tensor::from_data(TensorData::new(x, [n, width]), device),
@@ -133,7 +143,8 @@ pub fn params<B: Backend, M: Module<Train<B>>>(model: &M) -> Vec<Vec<f32>> {
     impl<AB: Backend> ModuleVisitor<AB> for Collect {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
             let data = p.val().into_data().convert::<f32>();
-            self.0.push(data.to_vec::<f32>().expect("f32 after convert"));
+            self.0
+                .push(data.to_vec::<f32>().expect("f32 after convert"));
         }
     }
     let mut c = Collect(Vec::new());
@@ -156,7 +167,9 @@ pub fn train<B: Backend, M: ParityModel<B>>(
     opts: Options,
     device: &B::Device,
 ) -> Result<Run, ShardError> {
-    let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.world_size()));
+    let (rank, world) = group
+        .as_ref()
+        .map_or((0, 1), |g| (g.rank(), g.world_size()));
     assert!(
         opts.global_batch % (world * opts.accumulate) == 0,
         "a global batch of {} rows does not split over {world} ranks x {} micro-batches",
@@ -167,10 +180,18 @@ pub fn train<B: Backend, M: ParityModel<B>>(
     let width = model.input_width();
     let mut model = match &group {
         // Small buckets, so that a step flushes several of them.
-        Some(g) => shard(model, g.clone(), ShardConfig::new(strategy).with_bucket_bytes(600))?,
+        Some(g) => shard(
+            model,
+            g.clone(),
+            ShardConfig::new(strategy).with_bucket_bytes(600),
+        )?,
         None => model,
     };
-    let mut optim = ShardedOptimizer::<_, B>::new(AdamWConfig::new().with_weight_decay(0.1).init::<Train<B>, M>());
+    let mut optim = ShardedOptimizer::<_, B>::new(
+        AdamWConfig::new()
+            .with_weight_decay(0.1)
+            .init::<Train<B>, M>(),
+    );
     let mut losses = Vec::new();
     for step in 0..opts.steps {
         let mut acc = GradientsAccumulator::<M>::new();
@@ -245,7 +266,11 @@ impl Errors {
             .zip(&reference.params)
             .map(|(a, b)| rel(a, b))
             .fold(0.0, f64::max);
-        Errors { loss, params, tensor }
+        Errors {
+            loss,
+            params,
+            tensor,
+        }
     }
 
     /// The asserted error: losses and parameters.

@@ -53,7 +53,9 @@ impl<B: Backend> DistributedBackend for Shard<B> {
                 ptr: tensor.0,
                 shape,
             });
-            if s.config.strategy.reduces_during_backward() && s.bucket_bytes >= s.config.bucket_bytes {
+            if s.config.strategy.reduces_during_backward()
+                && s.bucket_bytes >= s.config.bucket_bytes
+            {
                 flush(s);
             }
         });

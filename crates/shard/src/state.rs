@@ -147,6 +147,40 @@ pub(crate) struct RankState<B: Backend> {
 thread_local! {
     static STATES: RefCell<HashMap<TypeId, Box<dyn Any>>> = RefCell::new(HashMap::new());
     static LOCAL_READS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static SHARDED_CREATION: RefCell<Option<Creation>> = const { RefCell::new(None) };
+}
+
+/// While a lazily initialised parameter is created under ZeRO-3: creation ops make only this
+/// rank's shard, random ones from a generator seeded by (seed, rank) so that ranks draw
+/// different values.
+pub(crate) struct Creation {
+    pub group: Arc<dyn ProcessGroup>,
+    pub rng: rand::rngs::StdRng,
+}
+
+pub(crate) fn with_sharded_creation<R>(
+    group: Arc<dyn ProcessGroup>,
+    seed: u64,
+    f: impl FnOnce() -> R,
+) -> R {
+    use rand::SeedableRng;
+    let rng = rand::rngs::StdRng::seed_from_u64(
+        seed ^ (group.rank() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    );
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SHARDED_CREATION.with(|c| *c.borrow_mut() = None);
+        }
+    }
+    SHARDED_CREATION.with(|c| *c.borrow_mut() = Some(Creation { group, rng }));
+    let _restore = Restore;
+    f()
+}
+
+/// Runs `f` on the creation scope, if one is active.
+pub(crate) fn creating_sharded<R>(f: impl FnOnce(&mut Creation) -> R) -> Option<R> {
+    SHARDED_CREATION.with(|c| c.borrow_mut().as_mut().map(f))
 }
 
 /// Runs `f` with reads of sharded tensors returning this rank's shard (flat, 1-D) instead of

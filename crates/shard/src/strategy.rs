@@ -1,7 +1,7 @@
 //! `shard`: puts a model under a strategy; `gather_model`: the whole model back.
 
 use crate::ops::policy::{local, slice_local};
-use crate::state::{RankState, ShardConfig, ShardError, install};
+use crate::state::{RankState, ShardConfig, ShardError, install, with_sharded_creation};
 use crate::{Shard, ShardTensor, Strategy};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -121,18 +121,24 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
 {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let trainable = tensor.is_require_grad();
-        let shape = burn_std::Shape::from(tensor.dims().to_vec());
         let group = self.group.clone();
         let shard_params = self.shard_params;
-        let mut tensor = replace_primitive::<B, AB, D>(id, tensor, |t| {
-            let whole = local(t);
-            if shard_params {
-                ShardTensor::Sharded(slice_local::<B>(whole, &group))
-            } else {
-                ShardTensor::Local(whole)
+        // A parameter not initialised yet is created sharded: its initialiser runs with the
+        // creation ops making only this rank's shard, so the whole tensor never exists.
+        let (id, tensor, mapper) = if shard_params && !param.is_initialized() {
+            let seed = param.id.val();
+            with_sharded_creation(group.clone(), seed, || param.consume())
+        } else {
+            param.consume()
+        };
+        let trainable = tensor.is_require_grad();
+        let shape = burn_std::Shape::from(tensor.dims().to_vec());
+        let mut tensor = replace_primitive::<B, AB, D>(id, tensor, |t| match t {
+            ShardTensor::Sharded(s) if shard_params && s.group.name() == group.name() => {
+                ShardTensor::Sharded(s)
             }
+            t if shard_params => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
+            t => ShardTensor::Local(local(t)),
         });
         if trainable {
             let did = DistributedParamId::from(id.val());
@@ -170,7 +176,8 @@ fn check_consistent<AB: AutodiffBackend, M: Module<AB>>(
     impl<AB: Backend> ModuleVisitor<AB> for Fingerprint {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             self.count += 1;
-            for d in param.dims() {
+            // `lazy_shape` does not run a lazy initialiser (that happens sharded, later).
+            for d in param.lazy_shape().dims::<D>() {
                 self.hash = (self.hash ^ d as u64).wrapping_mul(0x0100_0000_01b3);
             }
             self.hash = (self.hash ^ 0xff).wrapping_mul(0x0100_0000_01b3);

@@ -5,7 +5,9 @@
 
 use burn::backend::Flex;
 use burn::module::Module;
-use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
+use burn::nn::transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
@@ -58,11 +60,19 @@ fn tiny() -> Tiny<B> {
     model
 }
 
-fn check<M: ParityModel<Flex>>(make: fn() -> M, strategies: &[Strategy], worlds: &[usize], opts: Options) {
+fn check<M: ParityModel<Flex>>(
+    make: fn() -> M,
+    strategies: &[Strategy],
+    worlds: &[usize],
+    opts: Options,
+) {
     let device = Default::default();
     let initial = make();
     let reference = train(initial.clone(), None, Strategy::Ddp, opts, &device).unwrap();
-    assert!(reference.losses[opts.steps - 1] < reference.losses[0], "the reference learns");
+    assert!(
+        reference.losses[opts.steps - 1] < reference.losses[0],
+        "the reference learns"
+    );
     let initial = Mutex::new(initial);
     let mut largest = Errors::default();
     for &strategy in strategies {
@@ -86,10 +96,17 @@ fn check<M: ParityModel<Flex>>(make: fn() -> M, strategies: &[Strategy], worlds:
             }
         }
     }
-    println!("largest relative errors over {strategies:?} x world {worlds:?} ({opts:?}): {largest:?}");
+    println!(
+        "largest relative errors over {strategies:?} x world {worlds:?} ({opts:?}): {largest:?}"
+    );
 }
 
-const ALL: [Strategy; 4] = [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3];
+const ALL: [Strategy; 4] = [
+    Strategy::Ddp,
+    Strategy::Zero1,
+    Strategy::Zero2,
+    Strategy::Zero3,
+];
 const CLIP_ACC: Options = Options {
     global_batch: 24,
     steps: 20,
@@ -104,7 +121,12 @@ fn mlp_every_strategy_world_1_to_4() {
 
 #[test]
 fn mlp_hybrid() {
-    check(mlp, &[Strategy::Hybrid { shard_size: 2 }], &[2, 4], Options::default());
+    check(
+        mlp,
+        &[Strategy::Hybrid { shard_size: 2 }],
+        &[2, 4],
+        Options::default(),
+    );
 }
 
 #[test]
@@ -119,13 +141,21 @@ fn transformer_every_strategy_world_1_to_4() {
 
 #[test]
 fn transformer_hybrid_and_zero3_with_clipping_and_accumulation() {
-    check(tiny, &[Strategy::Hybrid { shard_size: 2 }, Strategy::Zero3], &[4], CLIP_ACC);
+    check(
+        tiny,
+        &[Strategy::Hybrid { shard_size: 2 }, Strategy::Zero3],
+        &[4],
+        CLIP_ACC,
+    );
 }
 
 #[test]
 fn zero3_holds_only_shards() {
     let initial = Mutex::new(mlp());
-    let total: usize = params::<Flex, _>(&*initial.lock().unwrap()).iter().map(Vec::len).sum();
+    let total: usize = params::<Flex, _>(&*initial.lock().unwrap())
+        .iter()
+        .map(Vec::len)
+        .sum();
     let held = spawn_ranks(3, |g: LocalGroup| {
         let model = initial.lock().unwrap().clone();
         let model = shard(model, Arc::new(g), ShardConfig::new(Strategy::Zero3)).unwrap();
@@ -146,7 +176,10 @@ fn zero3_holds_only_shards() {
     });
     assert_eq!(held.iter().sum::<usize>(), total);
     // 4 tensors, each split with at most one extra element per rank.
-    assert!(held.iter().all(|&h| h <= total / 3 + 4), "{held:?} of {total}");
+    assert!(
+        held.iter().all(|&h| h <= total / 3 + 4),
+        "{held:?} of {total}"
+    );
 }
 
 #[test]
@@ -154,30 +187,40 @@ fn ranks_with_different_models_are_reported() {
     let errors = spawn_ranks(2, |g: LocalGroup| {
         let device = Default::default();
         let width = if g.rank() == 0 { 4 } else { 5 };
-        let model = (
-            LinearConfig::new(width, 3).init::<B>(&device),
-            Relu::new(),
-        );
+        let model = (LinearConfig::new(width, 3).init::<B>(&device), Relu::new());
         shard(model, Arc::new(g), ShardConfig::new(Strategy::Zero3))
             .unwrap_err()
             .to_string()
     });
-    assert!(errors[0].contains("ranks disagree about the model"), "{}", errors[0]);
+    assert!(
+        errors[0].contains("ranks disagree about the model"),
+        "{}",
+        errors[0]
+    );
 }
 
 #[test]
 fn a_bad_hybrid_size_is_named() {
     let errors = spawn_ranks(3, |g: LocalGroup| {
-        shard(mlp(), Arc::new(g), ShardConfig::new(Strategy::Hybrid { shard_size: 2 }))
-            .unwrap_err()
-            .to_string()
+        shard(
+            mlp(),
+            Arc::new(g),
+            ShardConfig::new(Strategy::Hybrid { shard_size: 2 }),
+        )
+        .unwrap_err()
+        .to_string()
     });
-    assert!(errors[0].contains("hybrid shard size 2 does not divide the world size 3"), "{}", errors[0]);
+    assert!(
+        errors[0].contains("hybrid shard size 2 does not divide the world size 3"),
+        "{}",
+        errors[0]
+    );
 }
 
 #[test]
 fn reading_a_shard_on_one_rank_alone_is_an_error_not_a_hang() {
-    let options = kiln_comm::GroupOptions::default().with_timeout(std::time::Duration::from_millis(300));
+    let options =
+        kiln_comm::GroupOptions::default().with_timeout(std::time::Duration::from_millis(300));
     let initial = Mutex::new(mlp());
     let start = std::time::Instant::now();
     let outcome = std::panic::catch_unwind(|| {
@@ -195,7 +238,10 @@ fn reading_a_shard_on_one_rank_alone_is_an_error_not_a_hang() {
     });
     let msg = *outcome.unwrap_err().downcast::<String>().unwrap();
     assert!(msg.contains("rank 0 panicked"), "{msg}");
-    assert!(msg.contains("could not all-gather a tensor of shape"), "{msg}");
+    assert!(
+        msg.contains("could not all-gather a tensor of shape"),
+        "{msg}"
+    );
     assert!(msg.contains("timed out"), "{msg}");
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
 }

@@ -37,6 +37,9 @@ struct Args {
     /// Largest message.
     #[arg(long, default_value = "256M", value_parser = parse_size)]
     max_size: usize,
+    /// Process group under a launcher: tcp, or nccl (needs `--features nccl`).
+    #[arg(long, default_value = "tcp")]
+    backend: String,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -169,14 +172,24 @@ fn main() -> Result<()> {
     }
     let memcpy = memcpy_bandwidth(*sizes.last().expect("non-empty"));
     if std::env::var_os("RANK").is_some() {
-        let group = TcpGroup::from_env().context("joining the launched job")?;
+        let group: Box<dyn ProcessGroup> = match args.backend.as_str() {
+            "tcp" => Box::new(TcpGroup::from_env().context("joining the launched job")?),
+            #[cfg(feature = "nccl")]
+            "nccl" => {
+                Box::new(kiln_comm::NcclGroup::from_env().context("joining the launched job")?)
+            }
+            other => {
+                bail!("process group '{other}' is not built in (tcp; nccl needs --features nccl)")
+            }
+        };
         if group.rank() == 0 {
             println!("ranks are processes (kiln launch); message sizes per rank");
             header(memcpy);
         }
-        let times = run_rank(&group, &sizes)?;
+        let times = run_rank(group.as_ref(), &sizes)?;
         if group.rank() == 0 {
-            report("tcp-mp", group.world_size(), &sizes, &times, memcpy);
+            let kind = format!("{}-mp", group.backend());
+            report(&kind, group.world_size(), &sizes, &times, memcpy);
         }
         return Ok(());
     }

@@ -125,12 +125,21 @@ struct Measured {
 }
 
 /// One rank: shard, a warm-up step, then one measured step.
-fn measure(model: Deep<Train>, group: Arc<dyn ProcessGroup>, strategy: Strategy, args: &Args) -> Measured {
+fn measure(
+    model: Deep<Train>,
+    group: Arc<dyn ProcessGroup>,
+    strategy: Strategy,
+    args: &Args,
+) -> Measured {
     let device = Default::default();
     let rank = group.rank();
     let mut model = shard(model, group.clone(), ShardConfig::new(strategy)).expect("shard");
-    let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<Train, Deep<Train>>());
-    let loss = model.forward(batch(args.batch, args.width, rank, &device)).powf_scalar(2.0).mean();
+    let mut optim =
+        ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<Train, Deep<Train>>());
+    let loss = model
+        .forward(batch(args.batch, args.width, rank, &device))
+        .powf_scalar(2.0)
+        .mean();
     let grads = GradientsParams::from_grads(loss.backward(), &model);
     model = optim.step(1e-3, model, grads);
 
@@ -140,7 +149,10 @@ fn measure(model: Deep<Train>, group: Arc<dyn ProcessGroup>, strategy: Strategy,
     }
     group.barrier().expect("barrier");
     let before = group.stats();
-    let loss = model.forward(batch(args.batch, args.width, rank + 100, &device)).powf_scalar(2.0).mean();
+    let loss = model
+        .forward(batch(args.batch, args.width, rank + 100, &device))
+        .powf_scalar(2.0)
+        .mean();
     let grads = GradientsParams::from_grads(loss.backward(), &model);
     let grads_held = grad_bytes::<Flex, Train, _>(&model, &grads);
     model = optim.step(1e-3, model, grads);
@@ -172,12 +184,28 @@ fn memory_and_traffic(args: &Args) {
     );
     println!(
         "{:<6} {:>2} | {:>8} {:>8} {:>8} {:>9} | {:>9} {:>6} | {:>11} {:>11} {:>6} | {:>9} {:>9}",
-        "strat", "N", "params", "grads", "optim", "state", "predicted", "ratio", "sent elems",
-        "predicted", "ratio", "peak MiB", "peak/N"
+        "strat",
+        "N",
+        "params",
+        "grads",
+        "optim",
+        "state",
+        "predicted",
+        "ratio",
+        "sent elems",
+        "predicted",
+        "ratio",
+        "peak MiB",
+        "peak/N"
     );
     let model = Mutex::new(model);
     let psi_f = psi as f64;
-    for strategy in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
+    for strategy in [
+        Strategy::Ddp,
+        Strategy::Zero1,
+        Strategy::Zero2,
+        Strategy::Zero3,
+    ] {
         for &n in &args.ranks {
             let per_rank = spawn_ranks(n, |g: LocalGroup| {
                 let m = model.lock().expect("model").clone();
@@ -234,12 +262,15 @@ fn overhead(args: &Args) {
     let time_train = |sharded: bool| {
         let model = Deep::<Train>::new(args.width, args.layers, &device);
         let mut model = if sharded {
-            let g = LocalGroup::new_world(1, Default::default()).pop().expect("one rank");
+            let g = LocalGroup::new_world(1, Default::default())
+                .pop()
+                .expect("one rank");
             shard(model, Arc::new(g), ShardConfig::new(Strategy::Zero3)).expect("shard")
         } else {
             model
         };
-        let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<Train, Deep<Train>>());
+        let mut optim =
+            ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<Train, Deep<Train>>());
         let mut total = 0.0;
         for i in 0..=steps {
             let t = Instant::now();

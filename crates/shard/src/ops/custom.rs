@@ -9,7 +9,28 @@ use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData, Te
 use burn_std::{FloatDType, Shape};
 use kiln_comm::ReduceOp;
 
-// ----- creation: whole tensors on this rank -----
+// ----- creation: whole tensors, or only this rank's shard while a lazily initialised
+// parameter is created under ZeRO-3 (`shard` runs the initialiser in that scope) -----
+
+/// This rank's shard of a tensor of `shape` being created, made by `make(len)` (1-D).
+fn created<B: Backend>(
+    shape: &Shape,
+    make: impl FnOnce(usize, &mut crate::state::Creation) -> B::FloatTensorPrimitive,
+) -> Option<FloatTensor<Shard<B>>> {
+    crate::state::creating_sharded(|c| {
+        let len = kiln_comm::shard_len(shape.num_elements(), c.group.world_size(), c.group.rank());
+        let shard = make(len, c);
+        ShardTensor::Sharded(crate::Sharded {
+            shard,
+            shape: shape.clone(),
+            group: c.group.clone(),
+        })
+    })
+}
+
+fn flat(len: usize) -> Shape {
+    Shape::from(vec![len])
+}
 
 pub(crate) fn float_from_data<B: Backend>(
     data: TensorData,
@@ -24,7 +45,11 @@ pub(crate) fn float_random<B: Backend>(
     device: &Device<B>,
     dtype: FloatDType,
 ) -> FloatTensor<Shard<B>> {
-    ShardTensor::Local(B::float_random(shape, distribution, device, dtype))
+    created::<B>(&shape, |len, c| {
+        let data = TensorData::random::<f32, _, _>(flat(len), distribution, &mut c.rng);
+        super::policy::write::<B>(data, device, dtype.into())
+    })
+    .unwrap_or_else(|| ShardTensor::Local(B::float_random(shape, distribution, device, dtype)))
 }
 
 pub(crate) fn float_zeros<B: Backend>(
@@ -32,7 +57,8 @@ pub(crate) fn float_zeros<B: Backend>(
     device: &Device<B>,
     dtype: FloatDType,
 ) -> FloatTensor<Shard<B>> {
-    ShardTensor::Local(B::float_zeros(shape, device, dtype))
+    created::<B>(&shape, |len, _| B::float_zeros(flat(len), device, dtype))
+        .unwrap_or_else(|| ShardTensor::Local(B::float_zeros(shape, device, dtype)))
 }
 
 pub(crate) fn float_ones<B: Backend>(
@@ -40,7 +66,8 @@ pub(crate) fn float_ones<B: Backend>(
     device: &Device<B>,
     dtype: FloatDType,
 ) -> FloatTensor<Shard<B>> {
-    ShardTensor::Local(B::float_ones(shape, device, dtype))
+    created::<B>(&shape, |len, _| B::float_ones(flat(len), device, dtype))
+        .unwrap_or_else(|| ShardTensor::Local(B::float_ones(shape, device, dtype)))
 }
 
 pub(crate) fn float_full<B: Backend>(
@@ -49,7 +76,10 @@ pub(crate) fn float_full<B: Backend>(
     device: &Device<B>,
     dtype: FloatDType,
 ) -> FloatTensor<Shard<B>> {
-    ShardTensor::Local(B::float_full(shape, fill_value, device, dtype))
+    created::<B>(&shape, |len, _| {
+        B::float_full(flat(len), fill_value, device, dtype)
+    })
+    .unwrap_or_else(|| ShardTensor::Local(B::float_full(shape, fill_value, device, dtype)))
 }
 
 pub(crate) fn float_empty<B: Backend>(
@@ -57,7 +87,8 @@ pub(crate) fn float_empty<B: Backend>(
     device: &Device<B>,
     dtype: FloatDType,
 ) -> FloatTensor<Shard<B>> {
-    ShardTensor::Local(B::float_empty(shape, device, dtype))
+    created::<B>(&shape, |len, _| B::float_empty(flat(len), device, dtype))
+        .unwrap_or_else(|| ShardTensor::Local(B::float_empty(shape, device, dtype)))
 }
 
 // ----- reading and metadata -----
