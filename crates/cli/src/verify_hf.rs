@@ -111,7 +111,8 @@ fn merge(mut reports: Vec<VerifyReport>) -> VerifyReport {
     for other in reports {
         for (mine, theirs) in first.checks.iter_mut().zip(other.checks) {
             debug_assert_eq!(mine.name, theirs.name);
-            if !(theirs.rel_err <= mine.rel_err) {
+            // NaN (a failed quantity) wins, like any larger error.
+            if theirs.rel_err.is_nan() || theirs.rel_err > mine.rel_err {
                 mine.rel_err = theirs.rel_err;
             }
         }

@@ -157,7 +157,7 @@ fn a_hung_process_makes_the_survivors_time_out() {
     for c in ranks.iter_mut() {
         wait_for_line(c, "soak: all-reducing");
     }
-    let hung = ranks.pop().unwrap();
+    let mut hung = ranks.pop().unwrap();
     // SAFETY: signalling our own child.
     unsafe { libc_kill(hung.id() as i32, 19) }; // SIGSTOP: alive but silent
     let mut survivor = ranks.pop().unwrap();
@@ -169,7 +169,8 @@ fn a_hung_process_makes_the_survivors_time_out() {
         "{err}"
     );
     assert!(err.contains("all_reduce #"), "{err}");
-    unsafe { libc_kill(hung.id() as i32, 9) };
+    hung.kill().unwrap();
+    hung.wait().unwrap();
 }
 
 unsafe extern "C" {

@@ -150,7 +150,7 @@ impl GroupCore {
         let members = (0..transport.world_size()).collect();
         let rank = transport.rank();
         GroupCore {
-            id: fnv(&[0x776f_726c_64]),
+            id: fnv(&[0x0077_6f72_6c64]),
             name: options.name,
             members,
             rank,

@@ -208,7 +208,7 @@ impl TcpGroup {
         let deadline = Instant::now() + options.timeout;
         let mut streams: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
         // Lower ranks accept, higher ranks connect: each pair connects exactly once.
-        for peer in 0..rank {
+        for (peer, slot) in streams.iter_mut().enumerate().take(rank) {
             let addr =
                 String::from_utf8_lossy(&store.get(&key(&format!("addr/{peer}")))?).into_owned();
             let stream = connect_until(&addr, deadline)
@@ -225,7 +225,7 @@ impl TcpGroup {
             (&stream)
                 .write_all(&hello)
                 .map_err(|e| setup(format!("hello to rank {peer}: {e}")))?;
-            streams[peer] = Some(stream);
+            *slot = Some(stream);
         }
         listener.set_nonblocking(true).map_err(|e| CommError::Io {
             context: "listener".into(),

@@ -171,7 +171,7 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         .as_ref()
         .map_or((0, 1), |g| (g.rank(), g.world_size()));
     assert!(
-        opts.global_batch % (world * opts.accumulate) == 0,
+        opts.global_batch.is_multiple_of(world * opts.accumulate),
         "a global batch of {} rows does not split over {world} ranks x {} micro-batches",
         opts.global_batch,
         opts.accumulate

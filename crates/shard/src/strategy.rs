@@ -35,7 +35,7 @@ where
     let (shard_group, replicate_group) = match config.strategy {
         Strategy::Hybrid { shard_size } => {
             let world = group.world_size();
-            if shard_size == 0 || world % shard_size != 0 {
+            if shard_size == 0 || !world.is_multiple_of(shard_size) {
                 return Err(ShardError::Config(format!(
                     "hybrid shard size {shard_size} does not divide the world size {world}"
                 )));

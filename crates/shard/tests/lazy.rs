@@ -2,7 +2,7 @@
 //! exists on any rank. Measured with a counting allocator around `shard`.
 
 use burn::nn::{Linear, LinearConfig};
-use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
+use kiln_comm::{LocalGroup, spawn_ranks};
 use kiln_shard::check::Train;
 use kiln_shard::{ShardConfig, ShardTensor, Strategy, shard};
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -16,6 +16,7 @@
 //!   and 3Ψ(N-1)/N (ZeRO-3);
 //! - the process's peak heap during the step (a counting allocator; all N ranks share the
 //!   process, so it is also shown divided by N).
+//!
 //! Then, at world size 1, the time of a training step of `Autodiff<Kiln<Flex>>` under ZeRO-3
 //! against the same stack unsharded, and of an inference forward of `Kiln<Flex>` against bare
 //! `Flex`, measured alternately in the same run. (Bare `Autodiff<Flex>` cannot be built beside
