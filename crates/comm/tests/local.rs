@@ -76,7 +76,7 @@ fn results_are_bitwise_identical_on_every_rank() {
 #[test]
 fn mismatched_collectives_are_reported_not_mixed() {
     let errors = spawn_ranks_with(2, short(5000), |g: LocalGroup| {
-        let mut v = vec![0.0f32; 8];
+        let mut v = [0.0f32; 8];
         let result = if g.rank() == 0 {
             g.all_reduce((&mut v[..]).into(), ReduceOp::Sum)
         } else {
@@ -118,11 +118,11 @@ fn mismatched_sizes_and_dtypes_are_reported() {
 
     let errors = spawn_ranks_with(2, short(5000), |g: LocalGroup| {
         if g.rank() == 0 {
-            let mut v = vec![0i64; 8];
+            let mut v = [0i64; 8];
             g.all_reduce((&mut v[..]).into(), ReduceOp::Max)
                 .unwrap_err()
         } else {
-            let mut v = vec![kiln_comm::bf16::ZERO; 8];
+            let mut v = [kiln_comm::bf16::ZERO; 8];
             g.all_reduce((&mut v[..]).into(), ReduceOp::Max)
                 .unwrap_err()
         }
@@ -139,7 +139,7 @@ fn a_rank_that_never_arrives_times_out_with_context() {
             std::thread::sleep(Duration::from_millis(800));
             return None;
         }
-        let mut v = vec![1.0f32; 10];
+        let mut v = [1.0f32; 10];
         Some(
             g.all_reduce((&mut v[..]).into(), ReduceOp::Sum)
                 .unwrap_err(),
@@ -170,7 +170,7 @@ fn a_rank_that_dies_fails_its_peers_at_once_and_poisons_the_group() {
             if g.rank() == 1 {
                 panic!("simulated crash");
             }
-            let mut v = vec![1.0f32; 10];
+            let mut v = [1.0f32; 10];
             let err = g
                 .all_reduce((&mut v[..]).into(), ReduceOp::Sum)
                 .unwrap_err();
@@ -193,8 +193,8 @@ fn a_rank_that_dies_fails_its_peers_at_once_and_poisons_the_group() {
 #[test]
 fn wrong_lengths_and_peers_are_argument_errors() {
     spawn_ranks(2, |g: LocalGroup| {
-        let mut out = vec![0.0f32; 10];
-        let bad = vec![0.0f32; 6];
+        let mut out = [0.0f32; 10];
+        let bad = [0.0f32; 6];
         let e = g
             .all_gather((&bad[..]).into(), (&mut out[..]).into())
             .unwrap_err();
@@ -207,7 +207,7 @@ fn wrong_lengths_and_peers_are_argument_errors() {
             e.to_string().contains("destination 5 is out of range"),
             "{e}"
         );
-        let mut small = vec![0.0f32; 3];
+        let mut small = [0.0f32; 3];
         let e = g
             .reduce_scatter((&out[..]).into(), (&mut small[..]).into(), ReduceOp::Sum)
             .unwrap_err();
@@ -239,7 +239,7 @@ fn mesh_sub_groups_reduce_along_their_axis() {
             let members = mesh.axis_ranks(g.rank(), axis);
             assert_eq!(sub.world_size(), members.len());
             assert_eq!(members[sub.rank()], g.rank());
-            let mut v = vec![g.rank() as i64];
+            let mut v = [g.rank() as i64];
             sub.all_reduce((&mut v[..]).into(), ReduceOp::Sum).unwrap();
             assert_eq!(
                 v[0],
