@@ -49,6 +49,7 @@ impl<B: Backend> DistributedBackend for Shard<B> {
                 "kiln: gradient shape differs from its parameter's"
             );
             s.bucket_bytes += grad.local_bytes();
+            s.synced.insert(params.param_id);
             s.bucket.push(PendingGrad {
                 ptr: tensor.0,
                 shape,

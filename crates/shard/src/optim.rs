@@ -48,6 +48,7 @@ where
     type Record = O::Record;
 
     fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
+        check_reduced::<B, AB, M>(&module, &grads);
         let slice_over = try_with_state::<B, _>(|s| {
             let st = s.config.strategy;
             (st.shards_optimizer() && !st.shards_params()).then(|| s.shard_group.clone())
@@ -77,6 +78,52 @@ where
     fn load_record(self, record: Self::Record) -> Self {
         ShardedOptimizer::new(self.inner.load_record(record))
     }
+}
+
+/// Panics if a parameter `shard` registered has a gradient the hook never reduced: training
+/// would silently diverge across ranks. This happens when its mark was lost: loading weights
+/// replaces the parameters (call `remark` after loading), or a second backward before the step
+/// (use `kiln_shard::backward`).
+fn check_reduced<B, AB, M>(module: &M, grads: &GradientsParams)
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    use burn_backend::distributed::DistributedParamId;
+    struct Find<'a, B> {
+        grads: &'a GradientsParams,
+        missing: Vec<String>,
+        _b: PhantomData<B>,
+    }
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Find<'_, B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+            let did = DistributedParamId::from(p.id.val());
+            let unreduced =
+                try_with_state::<B, _>(|s| s.params.contains_key(&did) && !s.synced.contains(&did))
+                    .unwrap_or(false);
+            if unreduced && self.grads.get::<Shard<B>, D>(p.id).is_some() {
+                self.missing
+                    .push(format!("{} {:?}", p.id, p.lazy_shape().dims::<D>()));
+            }
+        }
+    }
+    let mut find = Find::<B> {
+        grads,
+        missing: Vec::new(),
+        _b: PhantomData,
+    };
+    module.visit(&mut find);
+    try_with_state::<B, _>(|s| s.synced.clear());
+    assert!(
+        find.missing.is_empty(),
+        "kiln: the gradients of {} parameter(s) were never reduced across ranks (first: {}): their \
+         gradient-sync marks were lost. Loading weights replaces parameters: call \
+         `kiln_shard::remark(&model)` after loading; for several backward passes per step use \
+         `kiln_shard::backward`",
+        find.missing.len(),
+        find.missing[0]
+    );
 }
 
 struct Slicer<B> {

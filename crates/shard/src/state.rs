@@ -142,6 +142,8 @@ pub(crate) struct RankState<B: Backend> {
     pub params: HashMap<DistributedParamId, Shape>,
     pub bucket: Vec<PendingGrad<B>>,
     pub bucket_bytes: usize,
+    /// Parameters whose gradient the hook reduced since the last optimizer step.
+    pub synced: std::collections::HashSet<DistributedParamId>,
 }
 
 thread_local! {

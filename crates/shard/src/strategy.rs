@@ -68,6 +68,7 @@ where
         params: mapper.params,
         bucket: Vec::new(),
         bucket_bytes: 0,
+        synced: Default::default(),
     });
     Ok(module)
 }
@@ -145,7 +146,30 @@ where
             self.params.insert(did, shape);
             tensor = tensor.set_distributed(did);
         }
-        Param::from_mapped_value(id, tensor, mapper)
+        let param = Param::from_mapped_value(id, tensor, mapper);
+        if !shard_params {
+            return param;
+        }
+        // Weights loaded later (Hugging Face files, records, burn-store) are sharded tensor by
+        // tensor as they arrive, so a sharded model is never whole while loading. (This
+        // replaces a load mapper the model may have set.) Loading replaces the tensors and
+        // their gradient marks: call `remark` after it.
+        param.load_mapper(move |t: Tensor<AB, D>| {
+            let require_grad = t.is_require_grad();
+            let inner = t.inner().into_primitive().tensor();
+            let sharded = match inner {
+                ShardTensor::Sharded(s) => ShardTensor::Sharded(s),
+                t => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
+            };
+            let out = Tensor::<AB, D>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(
+                sharded,
+            )));
+            if require_grad {
+                out.require_grad()
+            } else {
+                out
+            }
+        })
     }
 }
 
@@ -216,31 +240,38 @@ fn check_consistent<AB: AutodiffBackend, M: Module<AB>>(
 /// it; the optimizer step re-marks, but a second micro-batch before the step would otherwise
 /// run unmarked and its gradients would never be reduced. This re-marks every trainable
 /// parameter (the mark is keyed by the parameter's graph node, so marking a clone suffices).
-pub fn backward<AB, M>(loss: Tensor<AB, 1>, module: &M) -> burn::optim::GradientsParams
+pub fn backward<B, AB, M>(loss: Tensor<AB, 1>, module: &M) -> burn::optim::GradientsParams
 where
-    AB: AutodiffBackend,
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: burn::module::AutodiffModule<AB>,
 {
     let grads = burn::optim::GradientsParams::from_grads(loss.backward(), module);
-    remark(module);
+    remark::<B, AB, M>(module);
     grads
 }
 
-/// Marks every trainable parameter of `module` again for gradient reduction; call it after a
-/// backward pass that is followed by another before the optimizer step (see [`backward`]).
-pub fn remark<AB, M>(module: &M)
+/// Marks every parameter `shard` registered (or that is marked) again for gradient reduction.
+/// Call it after a backward pass that is followed by another before the optimizer step (see
+/// [`backward`]) and after loading weights into a sharded model (loading replaces the
+/// parameters' tensors, and with them the marks).
+pub fn remark<B, AB, M>(module: &M)
 where
-    AB: AutodiffBackend,
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: burn::module::AutodiffModule<AB>,
 {
-    struct Remark;
-    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Remark {
+    struct Remark<B>(std::marker::PhantomData<B>);
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Remark<B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let did = DistributedParamId::from(param.id.val());
+            let registered = crate::state::try_with_state::<B, _>(|s| s.params.contains_key(&did))
+                .unwrap_or(false);
             let tensor = param.val();
-            if tensor.is_distributed() {
-                let _ = tensor.set_distributed(DistributedParamId::from(param.id.val()));
+            if tensor.is_distributed() || (registered && tensor.is_require_grad()) {
+                let _ = tensor.set_distributed(did);
             }
         }
     }
-    module.visit(&mut Remark);
+    module.visit(&mut Remark::<B>(std::marker::PhantomData));
 }

@@ -245,3 +245,29 @@ fn reading_a_shard_on_one_rank_alone_is_an_error_not_a_hang() {
     assert!(msg.contains("timed out"), "{msg}");
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
 }
+
+#[test]
+fn a_gradient_the_hook_never_reduced_is_an_error() {
+    use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+    use kiln_shard::ShardedOptimizer;
+    let initial = Mutex::new(mlp());
+    let outcome = std::panic::catch_unwind(|| {
+        spawn_ranks(2, |g: LocalGroup| {
+            let device = Default::default();
+            let model = initial.lock().unwrap().clone();
+            let model = shard(model, Arc::new(g), ShardConfig::new(Strategy::Ddp)).unwrap();
+            // Loading replaces the parameters (here by another copy's tensors), and their
+            // marks with them; no `remark` follows.
+            let record = initial.lock().unwrap().clone().into_record();
+            let model = model.load_record(record);
+            let (x, y) = kiln_shard::check::data::<B>(7, 0..4, 0, &device);
+            let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+            let mut optim =
+                ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Mlp<B>>());
+            optim.step(1e-3, model, grads);
+        })
+    });
+    let msg = *outcome.unwrap_err().downcast::<String>().unwrap();
+    assert!(msg.contains("were never reduced across ranks"), "{msg}");
+    assert!(msg.contains("kiln_shard::remark"), "{msg}");
+}

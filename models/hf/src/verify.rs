@@ -164,17 +164,19 @@ fn loss_value<B: AutodiffBackend>(loss: &Tensor<B, 1>) -> f64 {
 }
 
 /// How the checked training runs across devices. [`SingleDevice`] runs it as written; kiln's
-/// sharding strategies implement this (in `kiln-cli`), so that `kiln verify-hf --strategy zero3
-/// --ranks 4` checks the same numbers through sharded training without this crate depending on
-/// the decorator.
+/// sharding strategies implement this (`kiln_zoo::parallel`), so that `kiln verify-hf --strategy
+/// zero3 --ranks 4` checks the same numbers through sharded training without this crate
+/// depending on the decorator.
 pub trait Parallel<B: AutodiffBackend> {
-    /// Puts the freshly loaded model under the strategy (every rank calls it).
+    /// Puts a model under the strategy (every rank calls it). Called on the model before its
+    /// weights are loaded, so that a sharding strategy shards each tensor as it is read.
     ///
     /// # Errors
     /// [`HfError::Parallel`] when the strategy cannot be set up.
     fn prepare<M: AutodiffModule<B>>(&self, model: M) -> Result<M, HfError>;
-    /// Called after each backward pass with the model, before its gradients are used.
-    fn after_backward<M: AutodiffModule<B>>(&self, model: &M);
+    /// Called after the parameters were replaced (loading) and after each backward pass,
+    /// before the gradients are used: a strategy re-marks its parameters here.
+    fn refresh<M: AutodiffModule<B>>(&self, model: &M);
 }
 
 /// Plain single-device training.
@@ -185,10 +187,10 @@ impl<B: AutodiffBackend> Parallel<B> for SingleDevice {
     fn prepare<M: AutodiffModule<B>>(&self, model: M) -> Result<M, HfError> {
         Ok(model)
     }
-    fn after_backward<M: AutodiffModule<B>>(&self, _model: &M) {}
+    fn refresh<M: AutodiffModule<B>>(&self, _model: &M) {}
 }
 
-/// [`verify_model_with`] on a single device.
+/// [`verify_model_with`] on a single device (the model as loaded).
 ///
 /// # Errors
 /// As [`verify_model_with`].
@@ -212,7 +214,8 @@ where
 /// trained values are rounding noise, reported with an infinite tolerance) and checked instead to
 /// carry a negligible share of their tensor's initial gradient.
 ///
-/// Training runs through `parallel`; under a data-parallel strategy every rank trains on the
+/// Training runs through `parallel` (whose `prepare` the caller applied before loading `model`);
+/// under a data-parallel strategy every rank trains on the
 /// whole reference batch (it is too small to split), so the averaged gradients are the
 /// single-device ones and the same PyTorch numbers apply.
 ///
@@ -231,7 +234,7 @@ where
     M: AutodiffModule<B> + CausalLm<B> + HfNaming,
     P: Parallel<B>,
 {
-    let model = parallel.prepare(model)?;
+    parallel.refresh(&model);
     let mut checks = Vec::new();
     let input_ids = Tensor::<B, 2, Int>::from_data(reference.input_ids.clone(), device);
     let labels = Tensor::<B, 2, Int>::from_data(reference.labels.clone(), device);
@@ -263,7 +266,7 @@ where
         tolerance: tolerances.loss_init,
     });
     let grads = loss.backward();
-    parallel.after_backward(&model);
+    parallel.refresh(&model);
     let parts = model.zero_gradient_parts();
     let wanted: Vec<String> = parts.iter().map(|(name, _)| name.clone()).collect();
     let HfGrads { norms, whole } = hf_grads(&model, &grads, &wanted);
@@ -325,7 +328,7 @@ where
             tolerance: tolerances.train_loss,
         });
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        parallel.after_backward(&model);
+        parallel.refresh(&model);
         model = optimizer.step(settings.lr, model, grads);
     }
 

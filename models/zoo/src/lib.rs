@@ -19,10 +19,10 @@
 pub mod parallel;
 
 use burn::tensor::backend::AutodiffBackend;
-use kiln_gpt2::Gpt2;
+use kiln_gpt2::Gpt2Config;
 use kiln_hf::verify::{Parallel, SingleDevice, Tolerances, VerifyReport, verify_model_with};
-use kiln_hf::{HfError, REFERENCE_FILE, Reference, config_path, model_type};
-use kiln_llama::Llama;
+use kiln_hf::{HfError, REFERENCE_FILE, Reference, WEIGHTS_FILE, config_path, model_type};
+use kiln_llama::LlamaConfig;
 use std::path::Path;
 
 /// The `model_type`s kiln implements.
@@ -65,20 +65,18 @@ pub fn verify_dir_with<B: AutodiffBackend, P: Parallel<B>>(
     }
     let reference = Reference::read(dir.join(REFERENCE_FILE))?;
     match kind.as_str() {
-        "gpt2" => verify_model_with(
-            Gpt2::<B>::from_pretrained(dir, device)?,
-            &reference,
-            tolerances,
-            device,
-            parallel,
-        ),
-        "llama" => verify_model_with(
-            Llama::<B>::from_pretrained(dir, device)?,
-            &reference,
-            tolerances,
-            device,
-            parallel,
-        ),
+        // The strategy applies to the freshly built model, before its weights are read, so that
+        // a sharding strategy shards each tensor as it is loaded.
+        "gpt2" => {
+            let model = parallel.prepare(Gpt2Config::from_dir(dir)?.init::<B>(device))?;
+            let model = model.load_safetensors(dir.join(WEIGHTS_FILE))?;
+            verify_model_with(model, &reference, tolerances, device, parallel)
+        }
+        "llama" => {
+            let model = parallel.prepare(LlamaConfig::from_dir(dir)?.init::<B>(device))?;
+            let model = model.load_safetensors(dir.join(WEIGHTS_FILE))?;
+            verify_model_with(model, &reference, tolerances, device, parallel)
+        }
         _ => unreachable!("checked against MODEL_TYPES"),
     }
 }

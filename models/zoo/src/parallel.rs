@@ -50,7 +50,7 @@ where
             .map_err(|e| HfError::Parallel(e.to_string()))
     }
 
-    fn after_backward<M: AutodiffModule<AB>>(&self, model: &M) {
+    fn refresh<M: AutodiffModule<AB>>(&self, model: &M) {
         kiln_shard::remark(model);
     }
 }
