@@ -16,76 +16,122 @@ use burn_tensor::backend::Backend;
 use burn_tensor::{DType as BurnDType, Tensor, TensorData};
 use half::{bf16, f16};
 
-/// Host copy of a float tensor in a wire dtype.
-enum Host {
+/// A host copy of float tensor data in a dtype the collectives carry: `f32`, `f16` or `bf16`
+/// (other float types travel as `f32`). Shared by this adapter and kiln's sharding layer.
+#[derive(Debug, Clone)]
+pub enum HostBuffer {
+    /// f32 elements.
     F32(Vec<f32>),
+    /// f16 elements.
     F16(Vec<f16>),
+    /// bf16 elements.
     BF16(Vec<bf16>),
 }
 
-impl Host {
-    fn of(data: TensorData) -> Host {
+impl HostBuffer {
+    /// The data's elements, in their own precision where the collectives carry it.
+    pub fn from_data(data: TensorData) -> HostBuffer {
         let conv = "converting tensor data to its own dtype cannot fail";
         match data.dtype {
-            BurnDType::F16 => Host::F16(data.into_vec().expect(conv)),
-            BurnDType::BF16 => Host::BF16(data.into_vec().expect(conv)),
-            BurnDType::F32 => Host::F32(data.into_vec().expect(conv)),
-            _ => Host::F32(data.convert::<f32>().into_vec().expect(conv)),
+            BurnDType::F16 => HostBuffer::F16(data.into_vec().expect(conv)),
+            BurnDType::BF16 => HostBuffer::BF16(data.into_vec().expect(conv)),
+            BurnDType::F32 => HostBuffer::F32(data.into_vec().expect(conv)),
+            _ => HostBuffer::F32(data.convert::<f32>().into_vec().expect(conv)),
         }
     }
-    fn zeros_like(&self, len: usize) -> Host {
+    /// `len` zeros of the same dtype.
+    pub fn zeros(&self, len: usize) -> HostBuffer {
         match self {
-            Host::F32(_) => Host::F32(vec![0.0; len]),
-            Host::F16(_) => Host::F16(vec![f16::ZERO; len]),
-            Host::BF16(_) => Host::BF16(vec![bf16::ZERO; len]),
+            HostBuffer::F32(_) => HostBuffer::F32(vec![0.0; len]),
+            HostBuffer::F16(_) => HostBuffer::F16(vec![f16::ZERO; len]),
+            HostBuffer::BF16(_) => HostBuffer::BF16(vec![bf16::ZERO; len]),
         }
     }
-    fn len(&self) -> usize {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
         match self {
-            Host::F32(v) => v.len(),
-            Host::F16(v) => v.len(),
-            Host::BF16(v) => v.len(),
+            HostBuffer::F32(v) => v.len(),
+            HostBuffer::F16(v) => v.len(),
+            HostBuffer::BF16(v) => v.len(),
         }
     }
-    fn buf(&self) -> BufRef<'_> {
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The elements as a collective's input.
+    pub fn buf(&self) -> BufRef<'_> {
         match self {
-            Host::F32(v) => v.into(),
-            Host::F16(v) => v.into(),
-            Host::BF16(v) => v.into(),
+            HostBuffer::F32(v) => v.into(),
+            HostBuffer::F16(v) => v.into(),
+            HostBuffer::BF16(v) => v.into(),
         }
     }
-    fn buf_mut(&mut self) -> BufMut<'_> {
+    /// The elements as a collective's output.
+    pub fn buf_mut(&mut self) -> BufMut<'_> {
         match self {
-            Host::F32(v) => v.into(),
-            Host::F16(v) => v.into(),
-            Host::BF16(v) => v.into(),
+            HostBuffer::F32(v) => v.into(),
+            HostBuffer::F16(v) => v.into(),
+            HostBuffer::BF16(v) => v.into(),
         }
     }
-    fn resize(&mut self, len: usize) {
+    /// Truncates or pads with zeros to `len` elements.
+    pub fn resize(&mut self, len: usize) {
         match self {
-            Host::F32(v) => v.resize(len, 0.0),
-            Host::F16(v) => v.resize(len, f16::ZERO),
-            Host::BF16(v) => v.resize(len, bf16::ZERO),
+            HostBuffer::F32(v) => v.resize(len, 0.0),
+            HostBuffer::F16(v) => v.resize(len, f16::ZERO),
+            HostBuffer::BF16(v) => v.resize(len, bf16::ZERO),
         }
     }
-    fn slice(&self, start: usize, end: usize) -> Host {
+    /// A copy of elements `start..end`.
+    pub fn slice(&self, start: usize, end: usize) -> HostBuffer {
         match self {
-            Host::F32(v) => Host::F32(v[start..end].to_vec()),
-            Host::F16(v) => Host::F16(v[start..end].to_vec()),
-            Host::BF16(v) => Host::BF16(v[start..end].to_vec()),
+            HostBuffer::F32(v) => HostBuffer::F32(v[start..end].to_vec()),
+            HostBuffer::F16(v) => HostBuffer::F16(v[start..end].to_vec()),
+            HostBuffer::BF16(v) => HostBuffer::BF16(v[start..end].to_vec()),
         }
     }
-    fn into_data(self, shape: Vec<usize>) -> TensorData {
+    /// Copies `src[range]` to `self[at..]`.
+    ///
+    /// # Panics
+    /// If the dtypes differ or the ranges are out of bounds.
+    pub fn copy_from(&mut self, at: usize, src: &HostBuffer, range: std::ops::Range<usize>) {
+        let n = range.len();
+        match (self, src) {
+            (HostBuffer::F32(d), HostBuffer::F32(s)) => d[at..at + n].copy_from_slice(&s[range]),
+            (HostBuffer::F16(d), HostBuffer::F16(s)) => d[at..at + n].copy_from_slice(&s[range]),
+            (HostBuffer::BF16(d), HostBuffer::BF16(s)) => d[at..at + n].copy_from_slice(&s[range]),
+            (d, s) => panic!(
+                "host buffers of different dtypes: {} vs {}",
+                d.buf_dtype(),
+                s.buf_dtype()
+            ),
+        }
+    }
+    fn buf_dtype(&self) -> crate::DType {
+        self.buf().dtype()
+    }
+    /// Appends `other`'s elements.
+    ///
+    /// # Panics
+    /// If the dtypes differ.
+    pub fn extend(&mut self, other: HostBuffer) {
+        let at = self.len();
+        self.resize(at + other.len());
+        self.copy_from(at, &other, 0..other.len());
+    }
+    /// Tensor data of `shape`.
+    pub fn into_data(self, shape: impl Into<burn_tensor::Shape>) -> TensorData {
         match self {
-            Host::F32(v) => TensorData::new(v, shape),
-            Host::F16(v) => TensorData::new(v, shape),
-            Host::BF16(v) => TensorData::new(v, shape),
+            HostBuffer::F32(v) => TensorData::new(v, shape),
+            HostBuffer::F16(v) => TensorData::new(v, shape),
+            HostBuffer::BF16(v) => TensorData::new(v, shape),
         }
     }
 }
 
 fn back<B: Backend, const D: usize>(
-    host: Host,
+    host: HostBuffer,
     shape: Vec<usize>,
     device: &B::Device,
     dtype: BurnDType,
@@ -103,7 +149,7 @@ pub fn all_reduce<B: Backend, const D: usize>(
     op: ReduceOp,
 ) -> Result<Tensor<B, D>> {
     let (device, dtype, shape) = (tensor.device(), tensor.dtype(), tensor.dims().to_vec());
-    let mut host = Host::of(tensor.into_data());
+    let mut host = HostBuffer::from_data(tensor.into_data());
     group.all_reduce(host.buf_mut(), op)?;
     Ok(back(host, shape, &device, dtype))
 }
@@ -118,7 +164,7 @@ pub fn broadcast<B: Backend, const D: usize>(
     root: usize,
 ) -> Result<Tensor<B, D>> {
     let (device, dtype, shape) = (tensor.device(), tensor.dtype(), tensor.dims().to_vec());
-    let mut host = Host::of(tensor.into_data());
+    let mut host = HostBuffer::from_data(tensor.into_data());
     group.broadcast(host.buf_mut(), root)?;
     Ok(back(host, shape, &device, dtype))
 }
@@ -149,16 +195,16 @@ pub fn all_gather_rows<B: Backend, const D: usize>(
     }
     let row: usize = shape[1..].iter().product();
     let padded_rows = rows.div_ceil(n);
-    let mut host = Host::of(shard.into_data());
+    let mut host = HostBuffer::from_data(shard.into_data());
     host.resize(padded_rows * row);
-    let mut out = host.zeros_like(padded_rows * row * n);
+    let mut out = host.zeros(padded_rows * row * n);
     group.all_gather(host.buf(), out.buf_mut())?;
     // Strip each rank's padding.
-    let mut whole = out.zeros_like(0);
+    let mut whole = out.zeros(0);
     for peer in 0..n {
         let take = shard_range(rows, n, peer).len() * row;
         let start = peer * padded_rows * row;
-        append(&mut whole, out.slice(start, start + take));
+        whole.extend(out.slice(start, start + take));
     }
     shape[0] = rows;
     Ok(back(whole, shape, &device, dtype))
@@ -180,30 +226,21 @@ pub fn reduce_scatter_rows<B: Backend, const D: usize>(
     let rows = shape[0];
     let row: usize = shape[1..].iter().product();
     let padded_rows = rows.div_ceil(n);
-    let host = Host::of(tensor.into_data());
+    let host = HostBuffer::from_data(tensor.into_data());
     // Lay rank p's rows at p * padded_rows, so the wire chunks are equal.
-    let mut padded = host.zeros_like(0);
+    let mut padded = host.zeros(0);
     for peer in 0..n {
         let range = shard_range(rows, n, peer);
         let mut part = host.slice(range.start * row, range.end * row);
         part.resize(padded_rows * row);
-        append(&mut padded, part);
+        padded.extend(part);
     }
-    let mut out = padded.zeros_like(padded_rows * row);
+    let mut out = padded.zeros(padded_rows * row);
     group.reduce_scatter(padded.buf(), out.buf_mut(), op)?;
     let mine = shard_range(rows, n, r).len();
     out.resize(mine * row);
     shape[0] = mine;
     Ok(back(out, shape, &device, dtype))
-}
-
-fn append(acc: &mut Host, part: Host) {
-    match (acc, part) {
-        (Host::F32(a), Host::F32(b)) => a.extend(b),
-        (Host::F16(a), Host::F16(b)) => a.extend(b),
-        (Host::BF16(a), Host::BF16(b)) => a.extend(b),
-        _ => unreachable!("parts of one tensor share its dtype"),
-    }
 }
 
 fn invalid(group: &dyn ProcessGroup, kind: OpKind, message: String) -> CommError {
@@ -228,7 +265,7 @@ pub fn send<B: Backend, const D: usize>(
     tensor: Tensor<B, D>,
     dst: usize,
 ) -> Result<()> {
-    let host = Host::of(tensor.into_data());
+    let host = HostBuffer::from_data(tensor.into_data());
     group.send(host.buf(), dst)
 }
 
@@ -242,7 +279,7 @@ pub fn recv<B: Backend, const D: usize>(
     src: usize,
 ) -> Result<Tensor<B, D>> {
     let (device, dtype, shape) = (like.device(), like.dtype(), like.dims().to_vec());
-    let mut host = Host::of(like.into_data());
+    let mut host = HostBuffer::from_data(like.into_data());
     debug_assert_eq!(host.len(), shape.iter().product::<usize>());
     group.recv(host.buf_mut(), src)?;
     Ok(back(host, shape, &device, dtype))

@@ -72,3 +72,52 @@ pub fn record_bytes<B: Backend, R: Record<B>>(record: R) -> usize {
             .len()
     })
 }
+
+/// A global allocator that counts live and peak heap bytes, for benchmarks and memory tests:
+///
+/// ```no_run
+/// #[global_allocator]
+/// static ALLOC: kiln_shard::account::CountingAlloc = kiln_shard::account::CountingAlloc;
+/// kiln_shard::account::CountingAlloc::reset_peak();
+/// // ... work ...
+/// let peak = kiln_shard::account::CountingAlloc::peak();
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CountingAlloc;
+
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl CountingAlloc {
+    /// Heap bytes allocated now (by this process, all threads).
+    pub fn live() -> usize {
+        LIVE.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// The most heap bytes allocated at once since the last [`CountingAlloc::reset_peak`].
+    pub fn peak() -> usize {
+        PEAK.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Starts a new peak from the current live bytes.
+    pub fn reset_peak() {
+        PEAK.store(Self::live(), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+// SAFETY: forwards every call to the system allocator; it only counts.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        use std::sync::atomic::Ordering::Relaxed;
+        // SAFETY: the caller's contract is the system allocator's.
+        let p = unsafe { std::alloc::System.alloc(layout) };
+        if !p.is_null() {
+            let now = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
+            PEAK.fetch_max(now, Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: as above.
+        unsafe { std::alloc::System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
+    }
+}

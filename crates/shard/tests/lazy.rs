@@ -3,34 +3,13 @@
 
 use burn::nn::{Linear, LinearConfig};
 use kiln_comm::{LocalGroup, spawn_ranks};
+use kiln_shard::account::CountingAlloc;
 use kiln_shard::check::Train;
 use kiln_shard::{ShardConfig, ShardTensor, Strategy, shard};
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc = CountingAlloc;
 
 type B = Train<burn::backend::Flex>;
 
@@ -40,8 +19,8 @@ const RANKS: usize = 4;
 #[test]
 fn zero3_creates_lazy_parameters_sharded() {
     let whole = WIDTH * WIDTH * 4;
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
+    let before = CountingAlloc::live();
+    CountingAlloc::reset_peak();
     let held = spawn_ranks(RANKS, |g: LocalGroup| {
         // Lazy: LinearConfig::init only records how to initialise.
         let model: Linear<B> = LinearConfig::new(WIDTH, WIDTH).init(&Default::default());
@@ -54,7 +33,7 @@ fn zero3_creates_lazy_parameters_sharded() {
         assert_eq!(s.group.world_size(), RANKS);
         burn::tensor::TensorMetadata::shape(&s.shard).num_elements()
     });
-    let peak = PEAK.load(Ordering::Relaxed) - before;
+    let peak = CountingAlloc::peak() - before;
     assert_eq!(
         held.iter().sum::<usize>(),
         WIDTH * WIDTH,

@@ -30,35 +30,13 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use clap::Parser;
 use kiln_comm::{LocalGroup, OpKind, ProcessGroup, spawn_ranks};
-use kiln_shard::account::{grad_bytes, param_bytes, record_bytes};
+use kiln_shard::account::{CountingAlloc, grad_bytes, param_bytes, record_bytes};
 use kiln_shard::{Shard, ShardConfig, ShardedOptimizer, Strategy, shard};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc = CountingAlloc;
 
 type Kiln = Shard<Flex>;
 type Train = burn::backend::Autodiff<Kiln>;
@@ -146,7 +124,7 @@ fn measure(
 
     group.barrier().expect("barrier");
     if rank == 0 {
-        PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+        CountingAlloc::reset_peak();
     }
     group.barrier().expect("barrier");
     let before = group.stats();
@@ -159,7 +137,7 @@ fn measure(
     model = optim.step(1e-3, model, grads);
     let sent = group.stats().since(&before);
     group.barrier().expect("barrier");
-    let peak = PEAK.load(Ordering::Relaxed);
+    let peak = CountingAlloc::peak();
     Measured {
         params: param_bytes::<Flex, Train, _>(&model),
         grads: grads_held,

@@ -5,79 +5,10 @@ use crate::tensor::Sharded;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorData, TensorMetadata, TensorPrimitive, try_read_sync};
 use burn_std::{Shape, Slice};
-use kiln_comm::{BufMut, BufRef, ProcessGroup, shard_range};
+use kiln_comm::{ProcessGroup, shard_range};
 use std::sync::Arc;
 
-/// A host copy of float data in a dtype the collectives carry.
-pub(crate) enum Host {
-    F32(Vec<f32>),
-    F16(Vec<half::f16>),
-    BF16(Vec<half::bf16>),
-}
-
-impl Host {
-    pub fn from_data(data: TensorData) -> Host {
-        let ok = "tensor data converts to its own dtype";
-        match data.dtype {
-            DType::F16 => Host::F16(data.into_vec().expect(ok)),
-            DType::BF16 => Host::BF16(data.into_vec().expect(ok)),
-            DType::F32 => Host::F32(data.into_vec().expect(ok)),
-            _ => Host::F32(data.convert::<f32>().into_vec().expect(ok)),
-        }
-    }
-    pub fn zeros(&self, len: usize) -> Host {
-        match self {
-            Host::F32(_) => Host::F32(vec![0.0; len]),
-            Host::F16(_) => Host::F16(vec![half::f16::ZERO; len]),
-            Host::BF16(_) => Host::BF16(vec![half::bf16::ZERO; len]),
-        }
-    }
-    pub fn buf(&self) -> BufRef<'_> {
-        match self {
-            Host::F32(v) => v.into(),
-            Host::F16(v) => v.into(),
-            Host::BF16(v) => v.into(),
-        }
-    }
-    pub fn buf_mut(&mut self) -> BufMut<'_> {
-        match self {
-            Host::F32(v) => v.into(),
-            Host::F16(v) => v.into(),
-            Host::BF16(v) => v.into(),
-        }
-    }
-    pub fn len(&self) -> usize {
-        match self {
-            Host::F32(v) => v.len(),
-            Host::F16(v) => v.len(),
-            Host::BF16(v) => v.len(),
-        }
-    }
-    /// Copies `src[range]` to `self[at..]`; both hold the same dtype.
-    pub fn copy_from(&mut self, at: usize, src: &Host, range: std::ops::Range<usize>) {
-        let n = range.len();
-        match (self, src) {
-            (Host::F32(d), Host::F32(s)) => d[at..at + n].copy_from_slice(&s[range]),
-            (Host::F16(d), Host::F16(s)) => d[at..at + n].copy_from_slice(&s[range]),
-            (Host::BF16(d), Host::BF16(s)) => d[at..at + n].copy_from_slice(&s[range]),
-            _ => panic!("kiln: gradients of one bucket must share a dtype"),
-        }
-    }
-    pub fn slice(&self, start: usize, end: usize) -> Host {
-        match self {
-            Host::F32(v) => Host::F32(v[start..end].to_vec()),
-            Host::F16(v) => Host::F16(v[start..end].to_vec()),
-            Host::BF16(v) => Host::BF16(v[start..end].to_vec()),
-        }
-    }
-    pub fn into_data(self, shape: Shape) -> TensorData {
-        match self {
-            Host::F32(v) => TensorData::new(v, shape),
-            Host::F16(v) => TensorData::new(v, shape),
-            Host::BF16(v) => TensorData::new(v, shape),
-        }
-    }
-}
+pub(crate) use kiln_comm::tensor::HostBuffer as Host;
 
 /// Reads an inner tensor to the host.
 pub(crate) fn read<B: Backend>(t: B::FloatTensorPrimitive) -> TensorData {
