@@ -8,7 +8,7 @@ use burn::tensor::{Int, Tensor};
 use kiln::{Flex, Train};
 use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
 use kiln_hf::verify::Parallel;
-use kiln_hf::{SafetensorsFile, causal_lm_loss};
+use kiln_hf::{Pretrained, SafetensorsFile, causal_lm_loss};
 use kiln_llama::{Llama, LlamaConfig};
 use kiln_shard::{ShardTensor, Strategy};
 use kiln_zoo::parallel::Sharding;

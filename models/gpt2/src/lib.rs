@@ -10,6 +10,7 @@
 //! ```no_run
 //! use burn::backend::Flex;
 //! use kiln_gpt2::Gpt2;
+//! use kiln_hf::Pretrained;
 //!
 //! let dir = "models/hf/tests/fixtures/tiny-gpt2";
 //! let model = Gpt2::<Flex>::from_pretrained(dir, &Default::default())?;
@@ -25,56 +26,19 @@ pub use config::{Gelu, Gpt2Config};
 pub use model::{Attention, Block, Gpt2, Gpt2Transformer, Mlp};
 
 use burn::tensor::backend::Backend;
-use kiln_hf::{HfError, SafetensorsFile, WEIGHTS_FILE};
+use kiln_hf::{HfError, Pretrained};
 use std::path::Path;
 
-impl<B: Backend> Gpt2<B> {
-    /// Loads `dir/config.json` and `dir/model.safetensors` onto `device`.
-    ///
-    /// # Errors
-    /// A missing or invalid config, a missing weights file, or a missing or mis-shaped tensor
-    /// (named, with both shapes).
-    pub fn from_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self, HfError> {
-        let config = Gpt2Config::from_dir(&dir)?;
-        config
-            .init(device)
-            .load_safetensors(dir.as_ref().join(WEIGHTS_FILE))
+impl<B: Backend> Pretrained<B> for Gpt2<B> {
+    type Config = Gpt2Config;
+    const MODEL_TYPE: &'static str = "gpt2";
+    const ARCHITECTURE: &'static str = "GPT2LMHeadModel";
+
+    fn read_config(dir: &Path) -> Result<Gpt2Config, HfError> {
+        Gpt2Config::from_dir(dir)
     }
 
-    /// Replaces every parameter by the tensor of the safetensors file at `path`.
-    ///
-    /// # Errors
-    /// As [`kiln_hf::load_weights`].
-    pub fn load_safetensors(self, path: impl AsRef<Path>) -> Result<Self, HfError> {
-        let file = SafetensorsFile::open(path, "the model's weights")?;
-        kiln_hf::load_weights(self, &file)
-    }
-
-    /// Writes the weights to `path` in Hugging Face names and shapes.
-    ///
-    /// # Errors
-    /// When the file cannot be written.
-    pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<(), HfError> {
-        kiln_hf::save_weights(self, path)
-    }
-
-    /// Writes `dir/config.json` (`config` with `model_type` and `architectures`, for transformers)
-    /// and `dir/model.safetensors`, creating `dir`.
-    ///
-    /// # Errors
-    /// When a file cannot be written.
-    pub fn save_pretrained(
-        &self,
-        config: &Gpt2Config,
-        dir: impl AsRef<Path>,
-    ) -> Result<(), HfError> {
-        let dir = dir.as_ref();
-        std::fs::create_dir_all(dir).map_err(|source| HfError::Io {
-            op: "write",
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        kiln_hf::write_config(dir, config, "gpt2", "GPT2LMHeadModel")?;
-        self.save_safetensors(dir.join(WEIGHTS_FILE))
+    fn from_config(config: &Gpt2Config, device: &B::Device) -> Self {
+        config.init(device)
     }
 }

@@ -25,6 +25,7 @@
 mod config;
 mod error;
 mod lm;
+mod pretrained;
 mod reference;
 mod safetensors_file;
 mod tokenizer;
@@ -36,6 +37,7 @@ pub use config::{
 };
 pub use error::HfError;
 pub use lm::{CausalLm, GenerateConfig, Sampling, causal_lm_loss, generate};
+pub use pretrained::Pretrained;
 pub use reference::{AdamWSettings, Reference};
 pub use safetensors_file::SafetensorsFile;
 pub use tokenizer::ByteTokenizer;

@@ -9,6 +9,7 @@
 //!
 //! ```no_run
 //! use burn::backend::Flex;
+//! use kiln_hf::Pretrained;
 //! use kiln_llama::{Llama, LlamaConfig};
 //!
 //! let dir = "models/hf/tests/fixtures/tiny-llama";
@@ -25,56 +26,19 @@ pub use config::{LlamaConfig, RopeParameters};
 pub use model::{Attention, DecoderLayer, Llama, LlamaModel, Mlp, Rope};
 
 use burn::tensor::backend::Backend;
-use kiln_hf::{HfError, SafetensorsFile, WEIGHTS_FILE};
+use kiln_hf::{HfError, Pretrained};
 use std::path::Path;
 
-impl<B: Backend> Llama<B> {
-    /// Loads `dir/config.json` and `dir/model.safetensors` onto `device`.
-    ///
-    /// # Errors
-    /// A missing or invalid config, a missing weights file, or a missing or mis-shaped tensor
-    /// (named, with both shapes).
-    pub fn from_pretrained(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self, HfError> {
-        let config = LlamaConfig::from_dir(&dir)?;
-        config
-            .init(device)
-            .load_safetensors(dir.as_ref().join(WEIGHTS_FILE))
+impl<B: Backend> Pretrained<B> for Llama<B> {
+    type Config = LlamaConfig;
+    const MODEL_TYPE: &'static str = "llama";
+    const ARCHITECTURE: &'static str = "LlamaForCausalLM";
+
+    fn read_config(dir: &Path) -> Result<LlamaConfig, HfError> {
+        LlamaConfig::from_dir(dir)
     }
 
-    /// Replaces every parameter by the tensor of the safetensors file at `path`.
-    ///
-    /// # Errors
-    /// As [`kiln_hf::load_weights`].
-    pub fn load_safetensors(self, path: impl AsRef<Path>) -> Result<Self, HfError> {
-        let file = SafetensorsFile::open(path, "the model's weights")?;
-        kiln_hf::load_weights(self, &file)
-    }
-
-    /// Writes the weights to `path` in Hugging Face names and shapes.
-    ///
-    /// # Errors
-    /// When the file cannot be written.
-    pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<(), HfError> {
-        kiln_hf::save_weights(self, path)
-    }
-
-    /// Writes `dir/config.json` (`config` with `model_type` and `architectures`, for transformers)
-    /// and `dir/model.safetensors`, creating `dir`.
-    ///
-    /// # Errors
-    /// When a file cannot be written.
-    pub fn save_pretrained(
-        &self,
-        config: &LlamaConfig,
-        dir: impl AsRef<Path>,
-    ) -> Result<(), HfError> {
-        let dir = dir.as_ref();
-        std::fs::create_dir_all(dir).map_err(|source| HfError::Io {
-            op: "write",
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        kiln_hf::write_config(dir, config, "llama", "LlamaForCausalLM")?;
-        self.save_safetensors(dir.join(WEIGHTS_FILE))
+    fn from_config(config: &LlamaConfig, device: &B::Device) -> Self {
+        config.init(device)
     }
 }

@@ -18,11 +18,14 @@
 #[cfg(feature = "sharding")]
 pub mod parallel;
 
+use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use kiln_gpt2::Gpt2Config;
+use kiln_gpt2::Gpt2;
 use kiln_hf::verify::{Parallel, SingleDevice, Tolerances, VerifyReport, verify_model_with};
-use kiln_hf::{HfError, REFERENCE_FILE, Reference, WEIGHTS_FILE, config_path, model_type};
-use kiln_llama::LlamaConfig;
+use kiln_hf::{
+    CausalLm, HfError, Pretrained, REFERENCE_FILE, Reference, WEIGHTS_FILE, config_path, model_type,
+};
+use kiln_llama::Llama;
 use std::path::Path;
 
 /// The `model_type`s kiln implements.
@@ -65,18 +68,27 @@ pub fn verify_dir_with<B: AutodiffBackend, P: Parallel<B>>(
     }
     let reference = Reference::read(dir.join(REFERENCE_FILE))?;
     match kind.as_str() {
-        // The strategy applies to the freshly built model, before its weights are read, so that
-        // a sharding strategy shards each tensor as it is loaded.
-        "gpt2" => {
-            let model = parallel.prepare(Gpt2Config::from_dir(dir)?.init::<B>(device))?;
-            let model = model.load_safetensors(dir.join(WEIGHTS_FILE))?;
-            verify_model_with(model, &reference, tolerances, device, parallel)
-        }
-        "llama" => {
-            let model = parallel.prepare(LlamaConfig::from_dir(dir)?.init::<B>(device))?;
-            let model = model.load_safetensors(dir.join(WEIGHTS_FILE))?;
-            verify_model_with(model, &reference, tolerances, device, parallel)
-        }
+        "gpt2" => verify::<B, Gpt2<B>, P>(dir, &reference, tolerances, device, parallel),
+        "llama" => verify::<B, Llama<B>, P>(dir, &reference, tolerances, device, parallel),
         _ => unreachable!("checked against MODEL_TYPES"),
     }
+}
+
+/// Builds the model of `dir`'s config, applies the strategy (before the weights are read, so that
+/// a sharding strategy shards each tensor as it is loaded), loads the weights and verifies.
+fn verify<B, M, P>(
+    dir: &Path,
+    reference: &Reference,
+    tolerances: &Tolerances,
+    device: &B::Device,
+    parallel: &P,
+) -> Result<VerifyReport, HfError>
+where
+    B: AutodiffBackend,
+    M: Pretrained<B> + AutodiffModule<B> + CausalLm<B>,
+    P: Parallel<B>,
+{
+    let model = parallel.prepare(M::from_config(&M::read_config(dir)?, device))?;
+    let model = model.load_safetensors(dir.join(WEIGHTS_FILE))?;
+    verify_model_with(model, reference, tolerances, device, parallel)
 }
