@@ -5,8 +5,8 @@ use burn::module::{Initializer, Module};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
-use kiln_hf::{CausalLm, HfNaming, HfTensorName};
+use burn::tensor::{Int, Tensor};
+use kiln_hf::{CausalLm, HfNaming, HfTensorName, causal_mask, tied_logits};
 
 /// GPT-2 initialisation: N(0, 0.02) (biases too; Hugging Face zeroes them, which only matters for
 /// training from scratch).
@@ -193,20 +193,13 @@ impl Gpt2Config {
 
 /// `[1, 1, seq, seq]`: 0 where a position may attend, `f32::MIN` above the diagonal (as HF's eager
 /// attention; finite so that no `inf - inf` can appear).
-pub(crate) fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
-    let values: Vec<f32> = (0..seq * seq)
-        .map(|i| if i % seq > i / seq { f32::MIN } else { 0.0 })
-        .collect();
-    Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
-}
-
 impl<B: Backend> Gpt2<B> {
     /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]`.
     ///
     /// # Panics
     /// If `seq` exceeds `n_positions`.
     pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let [batch, seq] = input_ids.dims();
+        let [_, seq] = input_ids.dims();
         assert!(
             seq <= self.n_positions,
             "GPT-2 forward: sequence length {seq} exceeds n_positions({})",
@@ -223,12 +216,7 @@ impl<B: Backend> Gpt2<B> {
         let x = t.ln_f.forward(x);
         match &self.lm_head {
             Some(head) => head.forward(x),
-            None => {
-                let [vocab, d] = t.wte.weight.dims();
-                x.reshape([batch * seq, d])
-                    .matmul(t.wte.weight.val().transpose())
-                    .reshape([batch, seq, vocab])
-            }
+            None => tied_logits(x, t.wte.weight.val()),
         }
     }
 }

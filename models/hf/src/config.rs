@@ -78,3 +78,20 @@ pub fn write_config<C: serde::Serialize>(
         source,
     })
 }
+
+/// [`read_config`] followed by the model's own check, whose message becomes
+/// [`HfError::UnsupportedConfig`] naming the file.
+///
+/// # Errors
+/// As [`read_config`], and [`HfError::UnsupportedConfig`] when `validate` refuses the config.
+pub fn read_validated_config<C: DeserializeOwned>(
+    dir: impl AsRef<Path>,
+    validate: impl FnOnce(&C) -> Result<(), String>,
+) -> Result<C, HfError> {
+    let config: C = read_config(&dir)?;
+    validate(&config).map_err(|reason| HfError::UnsupportedConfig {
+        path: config_path(&dir),
+        reason,
+    })?;
+    Ok(config)
+}

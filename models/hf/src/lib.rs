@@ -33,10 +33,13 @@ pub mod verify;
 pub mod weights;
 
 pub use config::{
-    CONFIG_FILE, REFERENCE_FILE, WEIGHTS_FILE, config_path, model_type, read_config, write_config,
+    CONFIG_FILE, REFERENCE_FILE, WEIGHTS_FILE, config_path, model_type, read_config,
+    read_validated_config, write_config,
 };
 pub use error::HfError;
-pub use lm::{CausalLm, GenerateConfig, Sampling, causal_lm_loss, generate};
+pub use lm::{
+    CausalLm, GenerateConfig, Sampling, causal_lm_loss, causal_mask, generate, tied_logits,
+};
 pub use pretrained::Pretrained;
 pub use reference::{AdamWSettings, Reference};
 pub use safetensors_file::SafetensorsFile;

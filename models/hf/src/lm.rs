@@ -4,6 +4,24 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
+/// The additive causal attention mask `[1, 1, seq, seq]`: 0 where a position may attend, the
+/// most negative float above the diagonal.
+pub fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
+    let values: Vec<f32> = (0..seq * seq)
+        .map(|i| if i % seq > i / seq { f32::MIN } else { 0.0 })
+        .collect();
+    Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
+}
+
+/// Logits of a head tied to the token embedding: `x [batch, seq, d] · embeddingᵀ`.
+pub fn tied_logits<B: Backend>(x: Tensor<B, 3>, embedding: Tensor<B, 2>) -> Tensor<B, 3> {
+    let [batch, seq, d] = x.dims();
+    let [vocab, _] = embedding.dims();
+    x.reshape([batch * seq, d])
+        .matmul(embedding.transpose())
+        .reshape([batch, seq, vocab])
+}
+
 /// A decoder-only language model.
 pub trait CausalLm<B: Backend> {
     /// Logits `[batch, seq, vocab]` of the next token at every position of `input_ids`

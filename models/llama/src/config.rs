@@ -83,14 +83,7 @@ impl LlamaConfig {
     /// # Errors
     /// As [`kiln_hf::read_config`], and [`HfError::UnsupportedConfig`] from [`Self::validate`].
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, HfError> {
-        let config: Self = kiln_hf::read_config(&dir)?;
-        config
-            .validate()
-            .map_err(|reason| HfError::UnsupportedConfig {
-                path: kiln_hf::config_path(&dir),
-                reason,
-            })?;
-        Ok(config)
+        kiln_hf::read_validated_config(dir, Self::validate)
     }
 
     /// Number of key/value heads.

@@ -6,7 +6,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNor
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use kiln_hf::{CausalLm, HfNaming, HfTensorName};
+use kiln_hf::{CausalLm, HfNaming, HfTensorName, causal_mask, tied_logits};
 
 /// Llama initialisation: N(0, 0.02) (`initializer_range`).
 const INIT: Initializer = Initializer::Normal {
@@ -226,17 +226,10 @@ impl LlamaConfig {
 
 /// `[1, 1, seq, seq]`: 0 where a position may attend, `f32::MIN` above the diagonal (finite, as
 /// transformers' eager mask, so that no `inf - inf` can appear).
-fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
-    let values: Vec<f32> = (0..seq * seq)
-        .map(|i| if i % seq > i / seq { f32::MIN } else { 0.0 })
-        .collect();
-    Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
-}
-
 impl<B: Backend> Llama<B> {
     /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]`.
     pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let [batch, seq] = input_ids.dims();
+        let [_, seq] = input_ids.dims();
         let device = input_ids.device();
         let m = &self.model;
         let (cos, sin) = m.rope.tables::<B>(seq, &device);
@@ -255,12 +248,7 @@ impl<B: Backend> Llama<B> {
         let x = m.norm.forward(x);
         match &self.lm_head {
             Some(head) => head.forward(x),
-            None => {
-                let [vocab, hidden] = m.embed_tokens.weight.dims();
-                x.reshape([batch * seq, hidden])
-                    .matmul(m.embed_tokens.weight.val().transpose())
-                    .reshape([batch, seq, vocab])
-            }
+            None => tied_logits(x, m.embed_tokens.weight.val()),
         }
     }
 }
