@@ -106,6 +106,10 @@ delegate_process_group!(LocalGroup);
 /// Runs `f` on `world_size` threads, one per rank, each with its [`LocalGroup`], and returns
 /// their results in rank order.
 ///
+/// Ranks that train with burn-autodiff must not share autodiff tensors (one model loaded from
+/// one in-memory record into every rank, say): burn-autodiff 0.21 would put them in one graph
+/// whose locks it takes in opposite orders on different threads, and deadlock.
+///
 /// # Panics
 /// If a rank panics: after every thread has ended, with the rank and its message. (A rank
 /// that panics drops its group, so the others fail fast instead of waiting for it.)

@@ -99,9 +99,9 @@ where
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Find<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
             let did = DistributedParamId::from(p.id.val());
-            let unreduced =
-                try_with_state::<B, _>(|s| s.params.contains_key(&did) && !s.synced.contains(&did))
-                    .unwrap_or(false);
+            // Every gradient of a sharded model must have passed the hook, including those of
+            // parameters `shard` never saw (a record loaded with its own ids, no `remark`).
+            let unreduced = try_with_state::<B, _>(|s| !s.synced.contains(&did)).unwrap_or(false);
             if unreduced && self.grads.get::<Shard<B>, D>(p.id).is_some() {
                 self.missing
                     .push(format!("{} {:?}", p.id, p.lazy_shape().dims::<D>()));

@@ -251,7 +251,7 @@ where
     grads
 }
 
-/// Marks every parameter `shard` registered (or that is marked) again for gradient reduction.
+/// Marks every trainable parameter of a sharded model again for gradient reduction.
 /// Call it after a backward pass that is followed by another before the optimizer step (see
 /// [`backward`]) and after loading weights into a sharded model (loading replaces the
 /// parameters' tensors, and with them the marks).
@@ -265,10 +265,16 @@ where
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Remark<B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             let did = DistributedParamId::from(param.id.val());
-            let registered = crate::state::try_with_state::<B, _>(|s| s.params.contains_key(&did))
-                .unwrap_or(false);
             let tensor = param.val();
-            if tensor.is_distributed() || (registered && tensor.is_require_grad()) {
+            // Loading a record gives parameters the record's ids, which `shard` may never have
+            // seen: a trainable parameter of a sharded model is registered here, so that its
+            // gradient is reduced like every other.
+            let shape = burn_std::Shape::from(tensor.dims().to_vec());
+            let sharded = crate::state::try_with_state::<B, _>(|s| {
+                s.params.entry(did).or_insert(shape);
+            })
+            .is_some();
+            if tensor.is_distributed() || (sharded && tensor.is_require_grad()) {
                 let _ = tensor.set_distributed(did);
             }
         }

@@ -250,24 +250,31 @@ fn reading_a_shard_on_one_rank_alone_is_an_error_not_a_hang() {
 fn a_gradient_the_hook_never_reduced_is_an_error() {
     use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
     use kiln_shard::ShardedOptimizer;
-    let initial = Mutex::new(mlp());
-    let outcome = std::panic::catch_unwind(|| {
-        spawn_ranks(2, |g: LocalGroup| {
-            let device = Default::default();
-            let model = initial.lock().unwrap().clone();
-            let model = shard(model, Arc::new(g), ShardConfig::new(Strategy::Ddp)).unwrap();
-            // Loading replaces the parameters (here by another copy's tensors), and their
-            // marks with them; no `remark` follows.
-            let record = initial.lock().unwrap().clone().into_record();
-            let model = model.load_record(record);
-            let (x, y) = kiln_shard::check::data::<B>(7, 0..4, 0, &device);
-            let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-            let mut optim =
-                ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Mlp<B>>());
-            optim.step(1e-3, model, grads);
+    // Loading a record replaces the parameters, their gradient marks and (the record's own)
+    // ids; training on without `remark` must fail loudly, and `remark` must repair it.
+    let run = |remark: bool| {
+        std::panic::catch_unwind(|| {
+            spawn_ranks(2, |g: LocalGroup| {
+                let device = Default::default();
+                // Each rank builds its own copies (`Mlp::new` is deterministic): ranks that
+                // shared autodiff tensors would share burn-autodiff graphs across threads,
+                // whose locks burn 0.21 takes in opposite orders in `register` and `backward`
+                // (a deadlock that hung CI once).
+                let model = shard(mlp(), Arc::new(g), ShardConfig::new(Strategy::Ddp)).unwrap();
+                let model = model.load_record(mlp().into_record());
+                if remark {
+                    kiln_shard::remark(&model);
+                }
+                let (x, y) = kiln_shard::check::data::<B>(7, 0..4, 0, &device);
+                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                let mut optim =
+                    ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Mlp<B>>());
+                optim.step(1e-3, model, grads);
+            })
         })
-    });
-    let msg = *outcome.unwrap_err().downcast::<String>().unwrap();
+    };
+    let msg = *run(false).unwrap_err().downcast::<String>().unwrap();
     assert!(msg.contains("were never reduced across ranks"), "{msg}");
     assert!(msg.contains("kiln_shard::remark"), "{msg}");
+    assert!(run(true).is_ok());
 }
