@@ -2,11 +2,14 @@
 //!
 //! - `kiln launch --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
 //!   -- PROGRAM ARGS...` starts a job's local ranks.
+//! - `kiln train [--recipe FILE] [--ranks N] [--strategy S] [--resume] ...` trains a model (see
+//!   `kiln-train`); `kiln export RUN --out DIR` writes a snapshot as a Hugging Face directory.
 //! - `kiln comm-check [--backend tcp|nccl]` verifies every collective on the job it runs in
 //!   (start it under `kiln launch`, torchrun, srun or mpirun).
 
 mod launch;
 mod shard_check;
+mod train;
 mod verify_hf;
 
 use anyhow::Result;
@@ -27,6 +30,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Train a GPT-2 or Llama model from a recipe (CPU by default; threads or launched ranks).
+    Train(Box<train::TrainArgs>),
+    /// Write a training snapshot as a Hugging Face directory (config.json, model.safetensors).
+    Export(train::ExportArgs),
     /// Start the local ranks of a (possibly multi-node) job.
     Launch(launch::LaunchArgs),
     /// Check every collective and element type on this job's process group.
@@ -84,6 +91,20 @@ fn comm_check(args: &CommCheckArgs) -> Result<()> {
 fn main() {
     let cli = Cli::parse();
     let code = match &cli.command {
+        Command::Train(args) => match train::train(args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("kiln train: error: {e:#}");
+                1
+            }
+        },
+        Command::Export(args) => match train::export(args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("kiln export: error: {e:#}");
+                1
+            }
+        },
         Command::Launch(args) => match launch::launch(args) {
             Ok(code) => code,
             Err(e) => {

@@ -27,6 +27,7 @@ pub mod check;
 mod hook;
 mod ops;
 mod optim;
+pub mod pieces;
 mod state;
 mod strategy;
 mod tensor;

@@ -1,0 +1,172 @@
+//! `kiln train` and `kiln export`: the training job (see `kiln-train`) from the command line.
+
+use anyhow::{Result, bail};
+use kiln_comm::{GroupOptions, ProcessGroup, TcpGroup};
+use kiln_train::{Recipe, RunOptions, train_rank};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Arguments of `kiln train`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    /// The recipe (TOML); the built-in default when omitted (`--print-recipe` shows it).
+    #[arg(long)]
+    recipe: Option<PathBuf>,
+    /// Override any recipe key: `--set train.lr=1e-3` (repeatable; applied last).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// train.steps
+    #[arg(long)]
+    steps: Option<usize>,
+    /// parallel.ranks: ranks as threads of this process (ignored under a launcher).
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// parallel.strategy: ddp, zero1, zero2, zero3 (fsdp), hybrid:S.
+    #[arg(long)]
+    strategy: Option<String>,
+    /// data.source: "synthetic" or a UTF-8 text file.
+    #[arg(long)]
+    data: Option<String>,
+    /// output.dir: metrics, recipe and snapshots.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// train.seed
+    #[arg(long)]
+    seed: Option<u64>,
+    /// train.batch_size (sequences per step over all ranks).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// train.lr (peak learning rate).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// output.snapshot_every
+    #[arg(long)]
+    snapshot_every: Option<usize>,
+    /// Continue from the newest snapshot in the output directory (any world size or strategy).
+    #[arg(long)]
+    resume: bool,
+    /// Start afresh even if the output directory holds snapshots (deletes them).
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
+    /// Inner backend: cpu (Flex), or cuda (needs --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Print the default recipe (TOML, commented) and exit.
+    #[arg(long)]
+    print_recipe: bool,
+}
+
+impl TrainArgs {
+    fn overrides(&self) -> Vec<String> {
+        let mut o = Vec::new();
+        let mut put = |key: &str, value: Option<String>| {
+            if let Some(v) = value {
+                o.push(format!("{key}={v}"));
+            }
+        };
+        put("train.steps", self.steps.map(|v| v.to_string()));
+        put("parallel.ranks", self.ranks.map(|v| v.to_string()));
+        put("parallel.strategy", self.strategy.clone().map(quote));
+        put("data.source", self.data.clone().map(quote));
+        put(
+            "output.dir",
+            self.out.as_ref().map(|p| quote(p.display().to_string())),
+        );
+        put("train.seed", self.seed.map(|v| v.to_string()));
+        put("train.batch_size", self.batch_size.map(|v| v.to_string()));
+        put("train.lr", self.lr.map(|v| format!("{v:?}")));
+        put(
+            "output.snapshot_every",
+            self.snapshot_every.map(|v| v.to_string()),
+        );
+        o.extend(self.set.iter().cloned());
+        o
+    }
+}
+
+/// A TOML basic string.
+fn quote(s: String) -> String {
+    format!("{:?}", s)
+}
+
+fn rank_on_device(
+    recipe: &Recipe,
+    group: Arc<dyn ProcessGroup>,
+    launched: bool,
+    options: RunOptions,
+    device: &str,
+    local_rank: usize,
+) -> Result<kiln_train::Summary> {
+    match device {
+        "cpu" => {
+            train_rank::<burn::backend::Flex>(recipe, group, launched, options, &Default::default())
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            let device = burn::backend::cuda::CudaDevice::new(local_rank);
+            train_rank::<kiln::Cuda>(recipe, group, launched, options, &device)
+        }
+        other => {
+            let _ = local_rank;
+            bail!("device '{other}' is not built in (cpu; cuda needs `--features cuda`)")
+        }
+    }
+}
+
+pub fn train(args: &TrainArgs) -> Result<()> {
+    if args.print_recipe {
+        print!("{}", kiln_train::DEFAULT_TOML);
+        return Ok(());
+    }
+    let recipe = Recipe::load(args.recipe.as_deref(), &args.overrides())?;
+    let options = RunOptions {
+        resume: args.resume,
+        overwrite: args.overwrite,
+    };
+    if std::env::var_os("RANK").is_some() {
+        let env = kiln_comm::LaunchEnv::from_env()?;
+        let group: Arc<dyn ProcessGroup> = match recipe.parallel.backend.as_str() {
+            "tcp" => Arc::new(TcpGroup::from_launch_env(&env, GroupOptions::default())?),
+            #[cfg(feature = "nccl")]
+            "nccl" => Arc::new(kiln_comm::NcclGroup::from_launch_env(
+                &env,
+                GroupOptions::default(),
+            )?),
+            other => bail!(
+                "parallel.backend '{other}' is not built in (tcp; nccl needs `--features nccl`)"
+            ),
+        };
+        rank_on_device(&recipe, group, true, options, &args.device, env.local_rank)?;
+        return Ok(());
+    }
+    let ranks = recipe.parallel.ranks;
+    if ranks == 0 {
+        bail!("parallel.ranks must be at least 1");
+    }
+    recipe.check_world(ranks, false)?;
+    let results = kiln_comm::spawn_ranks(ranks, |g: kiln_comm::LocalGroup| {
+        let rank = g.rank();
+        rank_on_device(&recipe, Arc::new(g), false, options, &args.device, rank)
+    });
+    // Report the first error in rank order (every rank fails alike on bad input).
+    for r in results {
+        r?;
+    }
+    Ok(())
+}
+
+/// Arguments of `kiln export`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExportArgs {
+    /// A snapshot directory, or a run directory (its newest snapshot).
+    snapshot: PathBuf,
+    /// The Hugging Face directory to write (`config.json`, `model.safetensors`).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn export(args: &ExportArgs) -> Result<()> {
+    let weights = kiln_train::export(&args.snapshot, &args.out)?;
+    println!("wrote {}", weights.display());
+    Ok(())
+}

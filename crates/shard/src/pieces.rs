@@ -1,0 +1,209 @@
+//! A tensor as one rank holds it, for snapshots that reshard.
+//!
+//! Every float tensor of a sharded model (parameter or optimizer state) is, on a rank, either
+//! whole or the elements `shard_range(numel, group size, group rank)` of its row-major flattened
+//! form. A [`Piece`] is that range and those values. Written per rank with the tensor's logical
+//! shape, pieces describe the tensor independently of the world size and the strategy; a run
+//! with another layout reads, per tensor, the range *it* holds from whichever pieces cover it.
+//! This is PyTorch DCP's idea (save shards with their offsets, reshard at load) in one dimension,
+//! which suffices because kiln shards every tensor flat.
+
+use crate::ops::policy::{read, write};
+use crate::state::try_with_state;
+use crate::strategy::replace_primitive;
+use crate::{Shard, ShardTensor, Sharded};
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn_backend::TensorMetadata;
+use burn_std::Shape;
+use kiln_comm::{ProcessGroup, shard_range};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// This rank's part of a float tensor: elements `range` of the flattened logical tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    /// Which elements of the flattened tensor.
+    pub range: Range<usize>,
+    /// Their values (as f32: lossless for f32, f16 and bf16 parameters).
+    pub values: Vec<f32>,
+}
+
+/// The element range this rank holds of `t`: everything, or its shard.
+pub fn held_range<B: Backend>(t: &ShardTensor<B>) -> Range<usize> {
+    match t {
+        ShardTensor::Local(t) => 0..t.shape().num_elements(),
+        ShardTensor::Sharded(s) => shard_range(s.numel(), s.group.world_size(), s.group.rank()),
+    }
+}
+
+/// This rank's piece of `t` (no communication).
+pub fn piece<B: Backend>(t: &ShardTensor<B>) -> Piece {
+    let inner = match t {
+        ShardTensor::Local(t) => t.clone(),
+        ShardTensor::Sharded(s) => s.shard.clone(),
+    };
+    let values = read::<B>(inner)
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("converted to f32");
+    Piece {
+        range: held_range(t),
+        values,
+    }
+}
+
+/// A tensor of logical `shape` laid out over `group` (whole when `None`), from this rank's
+/// values: the whole tensor, or exactly the range the group gives this rank.
+///
+/// # Panics
+/// If `values` is not as long as that range.
+pub fn from_values<B: Backend>(
+    shape: Shape,
+    values: Vec<f32>,
+    group: Option<&Arc<dyn ProcessGroup>>,
+    device: &B::Device,
+    dtype: DType,
+) -> ShardTensor<B> {
+    let numel = shape.num_elements();
+    match group {
+        None => {
+            assert_eq!(values.len(), numel, "kiln: values for a whole tensor");
+            ShardTensor::Local(write::<B>(TensorData::new(values, shape), device, dtype))
+        }
+        Some(group) => {
+            let range = shard_range(numel, group.world_size(), group.rank());
+            assert_eq!(values.len(), range.len(), "kiln: values for a shard");
+            let len = values.len();
+            ShardTensor::Sharded(Sharded {
+                shard: write::<B>(TensorData::new(values, [len]), device, dtype),
+                shape,
+                group: group.clone(),
+            })
+        }
+    }
+}
+
+/// `like`'s layout (whole, or sharded over the same group) with other values for the range
+/// this rank holds.
+pub fn like<B: Backend>(like: &ShardTensor<B>, values: Vec<f32>) -> ShardTensor<B> {
+    let (device, dtype, group) = match like {
+        ShardTensor::Local(t) => (B::float_device(t), t.dtype(), None),
+        ShardTensor::Sharded(s) => (B::float_device(&s.shard), s.shard.dtype(), Some(&s.group)),
+    };
+    from_values::<B>(like.shape(), values, group, &device, dtype)
+}
+
+/// The inner primitive of a tensor on the decorator.
+pub fn primitive<B: Backend, const D: usize>(t: Tensor<Shard<B>, D>) -> ShardTensor<B> {
+    t.into_primitive().tensor()
+}
+
+/// A tensor on the decorator from its primitive.
+pub fn tensor<B: Backend, const D: usize>(t: ShardTensor<B>) -> Tensor<Shard<B>, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// The group over which this thread's strategy shards optimizer state (ZeRO-1/2/3, hybrid), or
+/// `None` when it is replicated (DDP) or no model was sharded on this thread.
+pub fn optimizer_state_group<B: Backend>() -> Option<Arc<dyn ProcessGroup>> {
+    try_with_state::<B, _>(|s| {
+        s.config
+            .strategy
+            .shards_optimizer()
+            .then(|| s.shard_group.clone())
+    })
+    .flatten()
+}
+
+#[derive(Debug, Default)]
+struct Path(Vec<String>);
+
+impl Path {
+    fn join(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+/// Calls `f(path, id, tensor)` for every float parameter, in the module's order, with its
+/// module path (`blocks.0.attn.weight`).
+pub fn visit_params<B, AB, M>(module: &M, f: impl FnMut(&str, ParamId, &ShardTensor<B>))
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    struct Visit<F, B> {
+        path: Path,
+        f: F,
+        _b: std::marker::PhantomData<B>,
+    }
+    impl<B, AB, F> ModuleVisitor<AB> for Visit<F, B>
+    where
+        B: Backend,
+        AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        F: FnMut(&str, ParamId, &ShardTensor<B>),
+    {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let t = primitive(param.val().inner());
+            (self.f)(&self.path.join(), param.id, &t);
+        }
+    }
+    module.visit(&mut Visit {
+        path: Path::default(),
+        f,
+        _b: std::marker::PhantomData::<B>,
+    });
+}
+
+/// Replaces every float parameter's values with `f(path, tensor)` (the values of the range this
+/// rank holds, see [`held_range`]), keeping its layout, `require_grad` and gradient-sync mark.
+pub fn map_params<B, AB, M>(module: M, f: impl FnMut(&str, &ShardTensor<B>) -> Vec<f32>) -> M
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    struct Map<F, B> {
+        path: Path,
+        f: F,
+        _b: std::marker::PhantomData<B>,
+    }
+    impl<B, AB, F> ModuleMapper<AB> for Map<F, B>
+    where
+        B: Backend,
+        AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        F: FnMut(&str, &ShardTensor<B>) -> Vec<f32>,
+    {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.0.pop();
+        }
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<AB, D>>,
+        ) -> Param<Tensor<AB, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let path = self.path.join();
+            let tensor = replace_primitive::<B, AB, D>(id, tensor, |t| {
+                let values = (self.f)(&path, &t);
+                like(&t, values)
+            });
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Map {
+        path: Path::default(),
+        f,
+        _b: std::marker::PhantomData::<B>,
+    })
+}

@@ -1,0 +1,37 @@
+//! `kiln export`: a snapshot, written by any number of ranks under any strategy, as one
+//! Hugging Face directory (`config.json` and a single consolidated `model.safetensors`).
+
+use crate::model::ModelSpec;
+use crate::run::{Train, load_params};
+use crate::snapshot::Snapshot;
+use anyhow::Result;
+use burn::backend::Flex;
+use burn::module::AutodiffModule;
+use kiln_hf::Pretrained;
+use std::path::{Path, PathBuf};
+
+/// Writes the model of `snapshot` (a snapshot directory, or a run directory: its newest
+/// snapshot) to the Hugging Face directory `out`, and returns the weights file's path.
+///
+/// The model is assembled whole on the CPU from the pieces; no process group is needed.
+///
+/// # Errors
+/// No snapshot, a damaged or incomplete one, a file that cannot be written.
+pub fn export(snapshot: &Path, out: &Path) -> Result<PathBuf> {
+    let snap = Snapshot::open(snapshot)?;
+    let meta = &snap.manifest.meta;
+    match ModelSpec::from_json(&meta.model_kind, &meta.model_config)? {
+        ModelSpec::Gpt2(c) => write::<kiln_gpt2::Gpt2<Train<Flex>>>(&snap, &c, out),
+        ModelSpec::Llama(c) => write::<kiln_llama::Llama<Train<Flex>>>(&snap, &c, out),
+    }
+}
+
+fn write<M>(snap: &Snapshot, config: &M::Config, out: &Path) -> Result<PathBuf>
+where
+    M: Pretrained<Train<Flex>> + AutodiffModule<Train<Flex>>,
+{
+    let model = M::from_config(config, &Default::default());
+    let model = load_params::<Flex, M>(model, snap)?;
+    model.save_pretrained(config, out)?;
+    Ok(out.join(kiln_hf::WEIGHTS_FILE))
+}

@@ -1,0 +1,60 @@
+//! `kiln train`: one command trains a GPT-2 or Llama model on the CPU or GPUs, on one rank or
+//! many (threads of one process, or processes under `kiln launch`), under any of kiln's
+//! strategies, with snapshots that survive crashes and reshard to another world size or strategy.
+//!
+//! - [`Recipe`]: the run's settings (TOML plus `key=value` overrides; unknown keys are errors).
+//! - [`data`]: byte-level corpora, including a synthetic one whose best achievable loss is known.
+//! - [`train_rank`]: one rank's training loop; [`train_threads`] runs N ranks as threads.
+//! - [`snapshot`]: per-rank pieces and a manifest, written atomically, read at any layout.
+//! - [`export()`]: a snapshot as one Hugging Face directory (`config.json`, `model.safetensors`).
+//!
+//! ```no_run
+//! use kiln_train::{Recipe, RunOptions, train_threads};
+//!
+//! let recipe = Recipe::load(None, &["train.steps=50".into(), "parallel.strategy=zero3".into()])?;
+//! let summary = train_threads::<burn::backend::Flex>(&recipe, 2, RunOptions::default())?;
+//! println!("validation loss {:?}", summary.val_loss);
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+#![warn(missing_docs)]
+
+pub mod data;
+mod export;
+pub mod init;
+mod model;
+pub mod progress;
+mod recipe;
+mod run;
+pub mod snapshot;
+
+pub use export::export;
+pub use model::{BYTE_VOCAB, ModelSpec};
+pub use recipe::{
+    DEFAULT_TOML, DataRecipe, ModelRecipe, OutputRecipe, ParallelRecipe, Recipe, TrainRecipe,
+};
+pub use run::{RunOptions, Summary, Train, lr_at, train_rank};
+
+use anyhow::Result;
+use kiln_comm::{LocalGroup, spawn_ranks};
+use std::sync::Arc;
+
+/// Runs the recipe on `ranks` threads of this process (a [`LocalGroup`]) on `B`'s default
+/// device and returns rank 0's summary.
+///
+/// # Errors
+/// The first rank's error, in rank order.
+pub fn train_threads<B: burn::tensor::backend::Backend>(
+    recipe: &Recipe,
+    ranks: usize,
+    options: RunOptions,
+) -> Result<Summary> {
+    if ranks == 0 {
+        anyhow::bail!("--ranks must be at least 1");
+    }
+    // Check before any thread starts, so that a bad world size is one clear error.
+    recipe.check_world(ranks, false)?;
+    let results = spawn_ranks(ranks, |g: LocalGroup| {
+        train_rank::<B>(recipe, Arc::new(g), false, options, &Default::default())
+    });
+    results.into_iter().next().expect("at least one rank")
+}

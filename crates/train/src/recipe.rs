@@ -1,0 +1,394 @@
+//! The recipe: everything a training run needs, from a TOML file plus command-line overrides.
+//!
+//! Every table denies unknown keys, so a typo (`stpes = 10`) is an error naming the key rather
+//! than a silently ignored setting. Overrides are dotted `key=value` pairs applied to the TOML
+//! document before it is checked (`train.lr=1e-3`), so they are checked the same way.
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// A training run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// The model.
+    #[serde(default)]
+    pub model: ModelRecipe,
+    /// The text it learns.
+    #[serde(default)]
+    pub data: DataRecipe,
+    /// Optimizer, schedule, batch and steps.
+    #[serde(default)]
+    pub train: TrainRecipe,
+    /// How the work is spread over ranks.
+    #[serde(default)]
+    pub parallel: ParallelRecipe,
+    /// Where progress, metrics and snapshots go.
+    #[serde(default)]
+    pub output: OutputRecipe,
+}
+
+/// Which model, and its size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRecipe {
+    /// `gpt2` or `llama` (ignored with `from`, whose `config.json` says).
+    pub kind: String,
+    /// Start from this Hugging Face checkpoint directory (`config.json`, `model.safetensors`)
+    /// instead of a fresh model of the sizes below.
+    pub from: Option<PathBuf>,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Hidden size.
+    pub dim: usize,
+    /// The longest sequence (GPT-2's learned positions).
+    pub context: usize,
+}
+
+impl Default for ModelRecipe {
+    fn default() -> Self {
+        ModelRecipe {
+            kind: "gpt2".into(),
+            from: None,
+            layers: 2,
+            heads: 4,
+            dim: 64,
+            context: 64,
+        }
+    }
+}
+
+/// The corpus.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataRecipe {
+    /// `synthetic` (kiln's Markov-chain corpus, whose best achievable loss is known) or the path
+    /// of a UTF-8 text file (read as bytes: vocabulary 256).
+    pub source: String,
+    /// Characters of synthetic text to generate.
+    pub synthetic_chars: usize,
+    /// Share of the corpus (its end) held out for validation.
+    pub validation_fraction: f64,
+}
+
+impl Default for DataRecipe {
+    fn default() -> Self {
+        DataRecipe {
+            source: "synthetic".into(),
+            synthetic_chars: 1 << 18,
+            validation_fraction: 0.1,
+        }
+    }
+}
+
+/// Optimizer (AdamW), schedule (linear warmup, then cosine decay), batches and steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainRecipe {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per step, over all ranks (must divide evenly among them).
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Steps of linear warmup from 0 to `lr`.
+    pub warmup_steps: usize,
+    /// The cosine decays to `lr * min_lr_ratio` at the last step.
+    pub min_lr_ratio: f64,
+    /// AdamW's decoupled weight decay.
+    pub weight_decay: f64,
+    /// AdamW's first-moment decay.
+    pub beta1: f64,
+    /// AdamW's second-moment decay.
+    pub beta2: f64,
+    /// Global gradient-norm clipping (0: none).
+    pub grad_clip: f64,
+    /// Validation every this many steps (0: only at the end).
+    pub eval_every: usize,
+    /// Validation batches (of `batch_size` sequences).
+    pub eval_batches: usize,
+    /// Seeds initialisation, batch order and sampling.
+    pub seed: u64,
+    /// Characters of text generated after training (0: none).
+    pub sample_chars: usize,
+}
+
+impl Default for TrainRecipe {
+    fn default() -> Self {
+        TrainRecipe {
+            steps: 300,
+            batch_size: 16,
+            seq_len: 64,
+            lr: 3e-3,
+            warmup_steps: 30,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            grad_clip: 1.0,
+            eval_every: 100,
+            eval_batches: 4,
+            seed: 1234,
+            sample_chars: 160,
+        }
+    }
+}
+
+/// Ranks and strategy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelRecipe {
+    /// `ddp`, `zero1`, `zero2`, `zero3` (or `fsdp`), `hybrid:S`.
+    pub strategy: String,
+    /// Ranks as threads of this process (ignored under a launcher, which sets the world size).
+    pub ranks: usize,
+    /// Expected world size under a launcher (0: whatever the launcher says). A mismatch is an
+    /// error, not a silently different global batch.
+    pub world_size: usize,
+    /// Process group under a launcher: `tcp`, or `nccl` (GPUs; needs the `nccl` feature).
+    pub backend: String,
+}
+
+impl Default for ParallelRecipe {
+    fn default() -> Self {
+        ParallelRecipe {
+            strategy: "ddp".into(),
+            ranks: 1,
+            world_size: 0,
+            backend: "tcp".into(),
+        }
+    }
+}
+
+/// Outputs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputRecipe {
+    /// The run directory: `metrics.jsonl`, `recipe.toml`, `snapshots/`.
+    pub dir: PathBuf,
+    /// A snapshot every this many steps (0: only at the end).
+    pub snapshot_every: usize,
+    /// Snapshots kept (the oldest are deleted once a newer one is complete).
+    pub keep: usize,
+    /// Progress lines when stdout is not a terminal: this many over the run.
+    pub progress_lines: usize,
+}
+
+impl Default for OutputRecipe {
+    fn default() -> Self {
+        OutputRecipe {
+            dir: PathBuf::from("runs/kiln"),
+            snapshot_every: 100,
+            keep: 2,
+            progress_lines: 20,
+        }
+    }
+}
+
+/// The default recipe, as TOML with comments: `kiln train --print-recipe` writes it.
+pub const DEFAULT_TOML: &str = include_str!("default_recipe.toml");
+
+impl Recipe {
+    /// Reads `path` (or the default recipe when `None`) and applies `overrides` (`a.b=value`; the
+    /// value is a TOML literal, or else a string).
+    ///
+    /// # Errors
+    /// A missing or unreadable file, invalid TOML, an unknown key (named), a value of the wrong
+    /// type, an inconsistent setting (see [`Recipe::validate`]).
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Recipe> {
+        let (text, origin) = match path {
+            Some(p) => (
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("cannot read the recipe {}", p.display()))?,
+                p.display().to_string(),
+            ),
+            None => (DEFAULT_TOML.to_string(), "the default recipe".to_string()),
+        };
+        let mut doc: toml::Table =
+            toml::from_str(&text).with_context(|| format!("{origin} is not valid TOML"))?;
+        for o in overrides {
+            apply_override(&mut doc, o)?;
+        }
+        let recipe: Recipe = doc
+            .try_into()
+            .map_err(|e: toml::de::Error| anyhow::anyhow!("{origin}: {}", e.message().trim()))?;
+        recipe.validate()?;
+        Ok(recipe)
+    }
+
+    /// Checks the settings that do not depend on the world size.
+    ///
+    /// # Errors
+    /// The setting and why.
+    pub fn validate(&self) -> Result<()> {
+        let t = &self.train;
+        let m = &self.model;
+        if !["gpt2", "llama"].contains(&m.kind.as_str()) {
+            bail!("model.kind = '{}': expected gpt2 or llama", m.kind);
+        }
+        if t.steps == 0 || t.batch_size == 0 || t.seq_len == 0 {
+            bail!(
+                "train.steps ({}), train.batch_size ({}) and train.seq_len ({}) must be > 0",
+                t.steps,
+                t.batch_size,
+                t.seq_len
+            );
+        }
+        if m.from.is_none() {
+            if m.heads == 0 || !m.dim.is_multiple_of(m.heads) {
+                bail!(
+                    "model.dim ({}) must be a multiple of model.heads ({})",
+                    m.dim,
+                    m.heads
+                );
+            }
+            if t.seq_len > m.context {
+                bail!(
+                    "train.seq_len ({}) exceeds model.context ({})",
+                    t.seq_len,
+                    m.context
+                );
+            }
+        }
+        if !(t.lr > 0.0 && t.lr.is_finite()) {
+            bail!("train.lr must be > 0, got {}", t.lr);
+        }
+        if !(0.0..1.0).contains(&self.data.validation_fraction) {
+            bail!(
+                "data.validation_fraction must be in [0, 1), got {}",
+                self.data.validation_fraction
+            );
+        }
+        if self.output.keep == 0 {
+            bail!("output.keep must be at least 1");
+        }
+        self.strategy()?;
+        Ok(())
+    }
+
+    /// The parsed strategy.
+    ///
+    /// # Errors
+    /// An unknown strategy name.
+    pub fn strategy(&self) -> Result<kiln_shard::Strategy> {
+        Ok(self.parallel.strategy.parse()?)
+    }
+
+    /// Checks the settings against the world size.
+    ///
+    /// # Errors
+    /// A batch that does not split evenly, a hybrid shard size that does not divide the world, a
+    /// launcher's world size other than `parallel.world_size`.
+    pub fn check_world(&self, world: usize, launched: bool) -> Result<()> {
+        if launched && self.parallel.world_size != 0 && self.parallel.world_size != world {
+            bail!(
+                "the recipe expects parallel.world_size = {} but the launcher started {world} ranks",
+                self.parallel.world_size
+            );
+        }
+        if !self.train.batch_size.is_multiple_of(world) {
+            bail!(
+                "train.batch_size ({}) must be a multiple of the world size ({world}): each rank \
+                 takes an equal share of the global batch",
+                self.train.batch_size
+            );
+        }
+        if let kiln_shard::Strategy::Hybrid { shard_size } = self.strategy()?
+            && (shard_size == 0 || !world.is_multiple_of(shard_size))
+        {
+            bail!(
+                "parallel.strategy hybrid:{shard_size} needs a world size divisible by \
+                 {shard_size}, got {world}"
+            );
+        }
+        Ok(())
+    }
+
+    /// The recipe as TOML (written next to the run's outputs).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a recipe serialises")
+    }
+}
+
+fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
+    let Some((key, value)) = assignment.split_once('=') else {
+        bail!("override '{assignment}' is not key=value (e.g. train.lr=1e-3)");
+    };
+    let key = key.trim();
+    let value = value.trim();
+    // A TOML literal (number, bool, quoted string, array), or else a bare string.
+    let parsed: toml::Value = toml::from_str::<toml::Table>(&format!("v = {value}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    let parts: Vec<&str> = key.split('.').collect();
+    let (last, tables) = parts.split_last().expect("split yields one part");
+    let mut table = doc;
+    for part in tables {
+        let entry = table
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(Default::default()));
+        table = match entry {
+            toml::Value::Table(t) => t,
+            _ => bail!("override '{assignment}': '{part}' is not a table"),
+        };
+    }
+    table.insert(last.to_string(), parsed);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_file_is_the_default_struct() {
+        let parsed = Recipe::load(None, &[]).unwrap();
+        let defaults = Recipe {
+            model: ModelRecipe::default(),
+            data: DataRecipe::default(),
+            train: TrainRecipe::default(),
+            parallel: ParallelRecipe::default(),
+            output: OutputRecipe::default(),
+        };
+        assert_eq!(parsed, defaults);
+    }
+
+    #[test]
+    fn overrides_apply_and_typos_are_named() {
+        let r = Recipe::load(
+            None,
+            &["train.lr=0.5".into(), "parallel.strategy=zero3".into()],
+        )
+        .unwrap();
+        assert_eq!(r.train.lr, 0.5);
+        assert_eq!(r.parallel.strategy, "zero3");
+        let e = Recipe::load(None, &["train.stpes=3".into()]).unwrap_err();
+        assert!(format!("{e:#}").contains("stpes"), "{e:#}");
+        let e = Recipe::load(None, &["train.steps=many".into()]).unwrap_err();
+        assert!(format!("{e:#}").contains("steps"), "{e:#}");
+        let e = Recipe::load(None, &["parallel.strategy=zero9".into()]).unwrap_err();
+        assert!(format!("{e:#}").contains("zero9"), "{e:#}");
+    }
+
+    #[test]
+    fn the_world_must_fit_the_batch_and_degrees() {
+        let r = Recipe::load(None, &["parallel.strategy=hybrid:3".into()]).unwrap();
+        let e = r.check_world(4, false).unwrap_err().to_string();
+        assert!(e.contains("hybrid:3") && e.contains('4'), "{e}");
+        let r = Recipe::load(None, &["train.batch_size=6".into()]).unwrap();
+        let e = r.check_world(4, false).unwrap_err().to_string();
+        assert!(e.contains("(6)") && e.contains("(4)"), "{e}");
+        let r = Recipe::load(None, &["parallel.world_size=2".into()]).unwrap();
+        let e = r.check_world(4, true).unwrap_err().to_string();
+        assert!(
+            e.contains("world_size = 2") && e.contains("started 4"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,639 @@
+//! The training loop of one rank.
+//!
+//! Why not burn-train's `Learner`: its loop, checkpointers and metrics assume each process
+//! trains and saves a whole model. Under kiln every rank must reach every collective in the same
+//! order (a ZeRO-3 forward gathers parameters; the loss is averaged over ranks; a snapshot is
+//! written by all ranks with a barrier), the optimizer is kiln's `ShardedOptimizer`, and a
+//! snapshot must hold per-rank pieces that reshard, which burn-train's `FileCheckpointer` (one
+//! record file per component) cannot express. The user-facing parts are kept: a progress display
+//! with loss, learning rate, throughput and ETA, a metrics log (JSONL rather than burn-train's
+//! per-metric files), periodic validation, snapshots with resume, and a final summary.
+
+use crate::data::{Corpus, SplitMix64, batch, mix};
+use crate::model::ModelSpec;
+use crate::progress::{Progress, clock, human};
+use crate::snapshot::{self, Meta, Part, Snapshot};
+use crate::{Recipe, init};
+use anyhow::{Context, Result, anyhow, bail};
+use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::record::AdaptorRecord;
+use burn::optim::{
+    AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, Optimizer,
+};
+use burn::prelude::ElementConversion;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorMetadata};
+use hashbrown::HashMap;
+use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
+use kiln_hf::{CausalLm, GenerateConfig, Pretrained, Sampling, causal_lm_loss, generate};
+use kiln_shard::pieces::{self, held_range, optimizer_state_group};
+use kiln_shard::{Shard, ShardConfig, ShardTensor, ShardedOptimizer, clip_grad_norm};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Autodiff over kiln's sharding decorator over `B`.
+pub type Train<B> = Autodiff<Shard<B>>;
+
+/// How a run starts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Continue from the newest snapshot of the run directory.
+    pub resume: bool,
+    /// Start afresh even if the run directory holds snapshots (they are deleted).
+    pub overwrite: bool,
+}
+
+/// What a rank's run did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    /// The step the run started from (0, or the resumed snapshot's).
+    pub first_step: usize,
+    /// The step it ended at.
+    pub last_step: usize,
+    /// The global training loss of every step run, in order.
+    pub losses: Vec<f64>,
+    /// The final validation loss.
+    pub val_loss: Option<f64>,
+    /// Tokens per second over the steps run.
+    pub tokens_per_s: f64,
+    /// The generated sample (prompt included).
+    pub sample: Option<String>,
+    /// The newest snapshot written.
+    pub snapshot: Option<PathBuf>,
+}
+
+const TENSOR_PREFIX: &str = "model/";
+const M1_PREFIX: &str = "adamw.m1/";
+const M2_PREFIX: &str = "adamw.m2/";
+
+/// Trains the recipe's model as one rank of `group` (every rank calls it). `launched`: the
+/// world size comes from a launcher (checked against `parallel.world_size`).
+///
+/// # Errors
+/// Bad settings for this world size, a missing data file, a snapshot that does not fit, a
+/// failed collective or write.
+pub fn train_rank<B: Backend>(
+    recipe: &Recipe,
+    group: Arc<dyn ProcessGroup>,
+    launched: bool,
+    options: RunOptions,
+    device: &B::Device,
+) -> Result<Summary> {
+    recipe.check_world(group.world_size(), launched)?;
+    match ModelSpec::from_recipe(&recipe.model)? {
+        ModelSpec::Gpt2(c) => run::<B, kiln_gpt2::Gpt2<Train<B>>>(
+            recipe,
+            ModelSpec::Gpt2(c.clone()),
+            c,
+            group,
+            options,
+            device,
+        ),
+        ModelSpec::Llama(c) => run::<B, kiln_llama::Llama<Train<B>>>(
+            recipe,
+            ModelSpec::Llama(c.clone()),
+            c,
+            group,
+            options,
+            device,
+        ),
+    }
+}
+
+/// The learning rate of step `step` (1-based): linear warmup, then cosine decay to
+/// `lr * min_lr_ratio` at the last step.
+pub fn lr_at(t: &crate::TrainRecipe, step: usize) -> f64 {
+    if step <= t.warmup_steps {
+        return t.lr * step as f64 / t.warmup_steps as f64;
+    }
+    let span = t.steps.saturating_sub(t.warmup_steps).max(1) as f64;
+    let progress = ((step - t.warmup_steps) as f64 / span).min(1.0);
+    let min = t.lr * t.min_lr_ratio;
+    min + (t.lr - min) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+fn all_mean(group: &dyn ProcessGroup, value: f64) -> Result<f64> {
+    let mut buf = [value as f32];
+    group.all_reduce((&mut buf[..]).into(), ReduceOp::Avg)?;
+    Ok(f64::from(buf[0]))
+}
+
+fn run<B, M>(
+    recipe: &Recipe,
+    spec: ModelSpec,
+    config: M::Config,
+    group: Arc<dyn ProcessGroup>,
+    options: RunOptions,
+    device: &B::Device,
+) -> Result<Summary>
+where
+    B: Backend,
+    M: Pretrained<Train<B>> + CausalLm<Train<B>> + AutodiffModule<Train<B>>,
+    M::InnerModule: CausalLm<Shard<B>>,
+{
+    let (rank, world) = (group.rank(), group.world_size());
+    let t = &recipe.train;
+    let strategy = recipe.strategy()?;
+    let out = &recipe.output.dir;
+    let snapshots = out.join("snapshots");
+
+    // The run directory: made (or cleared) by rank 0 while the others wait.
+    let existing = snapshot::latest(&snapshots)?;
+    if rank == 0 {
+        std::fs::create_dir_all(&snapshots)
+            .with_context(|| format!("cannot create {}", snapshots.display()))?;
+        if existing.is_some() && !options.resume && options.overwrite {
+            std::fs::remove_dir_all(&snapshots)
+                .and_then(|()| std::fs::create_dir_all(&snapshots))
+                .with_context(|| format!("cannot clear {}", snapshots.display()))?;
+        }
+        std::fs::write(out.join("recipe.toml"), recipe.to_toml())
+            .with_context(|| format!("cannot write {}", out.join("recipe.toml").display()))?;
+    }
+    if let Some(newest) = &existing
+        && !options.resume
+        && !options.overwrite
+    {
+        bail!(
+            "{} already holds snapshots (newest: {}): pass --resume to continue that run, \
+             --overwrite to start afresh, or another output directory",
+            snapshots.display(),
+            newest.display()
+        );
+    }
+    let resume_from = if options.resume {
+        let dir = existing.ok_or_else(|| {
+            anyhow!(
+                "--resume: there is no complete snapshot in {}",
+                snapshots.display()
+            )
+        })?;
+        let snap = Snapshot::open(&dir)?;
+        let meta = &snap.manifest.meta;
+        if meta.model_kind != spec.kind() || meta.model_config != spec.config_json() {
+            bail!(
+                "the snapshot {} is of a different model: it holds a {} with config {}, the \
+                 recipe asks for a {} with config {}",
+                dir.display(),
+                meta.model_kind,
+                meta.model_config,
+                spec.kind(),
+                spec.config_json()
+            );
+        }
+        Some(snap)
+    } else {
+        None
+    };
+    group.barrier()?;
+
+    let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len)?;
+    let model = M::from_config(&config, device);
+    let model: M = kiln_shard::shard(model, group.clone(), ShardConfig::new(strategy))?;
+    let optim_config = AdamWConfig::new()
+        .with_beta_1(t.beta1 as f32)
+        .with_beta_2(t.beta2 as f32)
+        .with_weight_decay(t.weight_decay as f32);
+    let mut optim = ShardedOptimizer::<_, B>::new(optim_config.init::<Train<B>, M>());
+    let (mut model, first_step, mut rng, mut optimizer_time) = match &resume_from {
+        Some(snap) => {
+            let model = load_params::<B, M>(model, snap)?;
+            let meta = &snap.manifest.meta;
+            let record = load_optimizer::<B, M>(&model, snap, meta.optimizer_time, device)?;
+            optim = optim.load_record(record);
+            (
+                model,
+                meta.step,
+                SplitMix64(meta.data_rng),
+                meta.optimizer_time,
+            )
+        }
+        None => {
+            let model = match &recipe.model.from {
+                Some(dir) => {
+                    let model = model.load_safetensors(dir.join(kiln_hf::WEIGHTS_FILE))?;
+                    kiln_shard::remark(&model);
+                    model
+                }
+                None => init::init::<B, Train<B>, M>(model, t.seed),
+            };
+            (model, 0, SplitMix64(mix(t.seed)), 0)
+        }
+    };
+
+    let mut progress = Progress::new(
+        rank == 0,
+        t.steps,
+        first_step,
+        recipe.output.progress_lines,
+        &out.join("metrics.jsonl"),
+    )?;
+    let tokens_per_step = t.batch_size * t.seq_len;
+    progress.say(&format!(
+        "kiln train: {} with {} parameters, {strategy} on {world} rank(s), {} tokens per step",
+        spec.kind(),
+        human(model.num_params() as f64),
+        tokens_per_step
+    ));
+    progress.say(&format!(
+        "data: {}; unigram entropy {:.3} nats{}",
+        corpus.description,
+        corpus.unigram_entropy,
+        corpus
+            .floor
+            .map(|f| format!(", best achievable loss {f:.3} nats"))
+            .unwrap_or_default()
+    ));
+    match &resume_from {
+        Some(s) => progress.say(&format!(
+            "resuming from {} (step {} of {}, written by {} rank(s) under {})",
+            s.dir().display(),
+            first_step,
+            t.steps,
+            s.manifest.meta.world_size,
+            s.manifest.meta.strategy
+        )),
+        None => progress.say(&format!("output: {}", out.display())),
+    }
+
+    let mut losses = Vec::new();
+    let mut val_loss = None;
+    let mut last_snapshot = None;
+    let mut evaluated_at = None;
+    let mut snapshot_at = resume_from.as_ref().map(|_| first_step);
+    drop(resume_from);
+    for step in first_step + 1..=t.steps {
+        let lr = lr_at(t, step);
+        let b = batch(
+            &corpus.train,
+            &mut rng,
+            t.batch_size,
+            t.seq_len,
+            rank,
+            world,
+        );
+        let (x, y) = tensors::<Train<B>>(&b, device);
+        let loss = causal_lm_loss(model.forward(x), y);
+        let local: f64 = loss.clone().into_scalar().elem();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let (grads, grad_norm) = if t.grad_clip > 0.0 {
+            let (g, n) = clip_grad_norm(&model, grads, t.grad_clip);
+            (g, Some(n))
+        } else {
+            (grads, None)
+        };
+        model = optim.step(lr, model, grads);
+        optimizer_time += 1;
+        let loss = all_mean(group.as_ref(), local)?;
+        if !loss.is_finite() {
+            bail!("the loss is {loss} at step {step}: lower train.lr or raise train.grad_clip");
+        }
+        losses.push(loss);
+        progress.record(serde_json::json!({
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": progress.tokens_per_s(step, tokens_per_step),
+            "elapsed_s": progress.elapsed(),
+        }))?;
+        progress.step(step, loss, lr, tokens_per_step);
+
+        if t.eval_every > 0 && step.is_multiple_of(t.eval_every) || step == t.steps {
+            val_loss = evaluate::<B, M>(&model, &corpus, recipe, group.as_ref(), device)?;
+            evaluated_at = Some(step);
+            if let Some(v) = val_loss {
+                progress.record(serde_json::json!({"step": step, "val_loss": v}))?;
+                progress.say(&format!("step {step}: validation loss {v:.4}"));
+            }
+        }
+        let every = recipe.output.snapshot_every;
+        if every > 0 && step.is_multiple_of(every) || step == t.steps {
+            let meta = Meta {
+                step,
+                model_kind: spec.kind().into(),
+                model_config: spec.config_json(),
+                strategy: strategy.to_string(),
+                world_size: world,
+                data_rng: rng.0,
+                optimizer_time,
+                recipe: recipe.to_toml(),
+            };
+            let dir = save::<B, M>(&model, &optim, &meta, group.as_ref(), recipe)?;
+            progress.say(&format!("step {step}: snapshot {}", dir.display()));
+            last_snapshot = Some(dir);
+            snapshot_at = Some(step);
+        }
+    }
+    let _ = snapshot_at;
+    if evaluated_at != Some(t.steps) {
+        val_loss = evaluate::<B, M>(&model, &corpus, recipe, group.as_ref(), device)?;
+    }
+
+    let sample = (t.sample_chars > 0).then(|| {
+        let prompt: Vec<u32> = corpus.validation[..corpus.validation.len().min(24)].to_vec();
+        let config = GenerateConfig {
+            max_new_tokens: t.sample_chars,
+            sampling: Sampling::Temperature {
+                temperature: 0.8,
+                seed: t.seed,
+            },
+            stop_token: None,
+        };
+        // Every rank generates (a ZeRO-3 forward gathers parameters); rank 0 prints.
+        let new = generate(&model.valid(), &prompt, &config, device);
+        let tok = kiln_hf::ByteTokenizer;
+        format!("{}|{}", tok.decode(&prompt), tok.decode(&new))
+    });
+
+    let steps_run = t.steps.saturating_sub(first_step);
+    let tokens_per_s = progress.tokens_per_s(first_step + steps_run, tokens_per_step);
+    let summary = Summary {
+        first_step,
+        last_step: t.steps.max(first_step),
+        val_loss,
+        tokens_per_s,
+        sample,
+        snapshot: last_snapshot,
+        losses,
+    };
+    if rank == 0 {
+        print_summary(&summary, &corpus, progress.elapsed(), out);
+    }
+    Ok(summary)
+}
+
+fn print_summary(s: &Summary, corpus: &Corpus, elapsed: f64, out: &Path) {
+    println!("---");
+    println!(
+        "trained steps {}..{} in {} ({} tok/s)",
+        s.first_step + 1,
+        s.last_step,
+        clock(elapsed),
+        human(s.tokens_per_s)
+    );
+    if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {
+        println!("training loss {first:.4} -> {last:.4}");
+    }
+    if let Some(v) = s.val_loss {
+        let reference = match corpus.floor {
+            Some(f) => format!(
+                " (unigram entropy {:.3}, best achievable {f:.3}: {:.0}% of the learnable gap closed)",
+                corpus.unigram_entropy,
+                100.0 * (corpus.unigram_entropy - v) / (corpus.unigram_entropy - f)
+            ),
+            None => format!(" (unigram entropy {:.3})", corpus.unigram_entropy),
+        };
+        println!("validation loss {v:.4}{reference}");
+    }
+    if let Some(dir) = &s.snapshot {
+        println!("snapshot: {}", dir.display());
+    }
+    println!("metrics: {}", out.join("metrics.jsonl").display());
+    if let Some(sample) = &s.sample {
+        println!("sample (prompt|generated):\n{sample}");
+    }
+}
+
+fn tensors<AB: Backend>(
+    b: &crate::data::Batch,
+    device: &AB::Device,
+) -> (Tensor<AB, 2, Int>, Tensor<AB, 2, Int>) {
+    let shape = [b.rows, b.seq_len];
+    (
+        Tensor::from_data(TensorData::new(b.inputs.clone(), shape), device),
+        Tensor::from_data(TensorData::new(b.targets.clone(), shape), device),
+    )
+}
+
+/// The mean validation loss over `eval_batches` fixed batches (the same every time and at
+/// every world size), or `None` when there are none.
+fn evaluate<B, M>(
+    model: &M,
+    corpus: &Corpus,
+    recipe: &Recipe,
+    group: &dyn ProcessGroup,
+    device: &B::Device,
+) -> Result<Option<f64>>
+where
+    B: Backend,
+    M: AutodiffModule<Train<B>>,
+    M::InnerModule: CausalLm<Shard<B>>,
+{
+    let t = &recipe.train;
+    if t.eval_batches == 0 {
+        return Ok(None);
+    }
+    let inner = model.valid();
+    let mut rng = SplitMix64(mix(t.seed ^ 0x7661_6c69_6461_7465));
+    let mut total = 0.0;
+    for _ in 0..t.eval_batches {
+        let b = batch(
+            &corpus.validation,
+            &mut rng,
+            t.batch_size,
+            t.seq_len,
+            group.rank(),
+            group.world_size(),
+        );
+        let (x, y) = tensors::<Shard<B>>(&b, device);
+        let loss: f64 = causal_lm_loss(inner.forward(x), y).into_scalar().elem();
+        total += loss;
+    }
+    Ok(Some(all_mean(group, total / t.eval_batches as f64)?))
+}
+
+/// The part of `t` this rank writes: its range split among the ranks holding the same values.
+fn part_of<B: Backend>(name: String, t: &ShardTensor<B>, world: usize, rank: usize) -> Part {
+    let (copies, copy) = match t {
+        ShardTensor::Local(_) => (world, rank),
+        ShardTensor::Sharded(s) => {
+            // Sharding groups are consecutive ranks (DeviceMesh: dp_shard inside dp_replicate).
+            let size = s.group.world_size();
+            (world / size, rank / size)
+        }
+    };
+    let piece = pieces::piece(t);
+    let held = piece.range.clone();
+    let mine = snapshot::share(held.clone(), copies, copy);
+    Part {
+        name,
+        shape: t.shape().as_slice().to_vec(),
+        start: mine.start,
+        values: piece.values[mine.start - held.start..mine.end - held.start].to_vec(),
+    }
+}
+
+fn save<B, M>(
+    model: &M,
+    optim: &ShardedOptimizer<OptimizerAdaptor<AdamW, M, Train<B>>, B>,
+    meta: &Meta,
+    group: &dyn ProcessGroup,
+    recipe: &Recipe,
+) -> Result<PathBuf>
+where
+    B: Backend,
+    M: AutodiffModule<Train<B>>,
+{
+    let (world, rank) = (group.world_size(), group.rank());
+    let mut parts = Vec::new();
+    pieces::visit_params::<B, Train<B>, M>(model, |path, _, t| {
+        parts.push(part_of(format!("{TENSOR_PREFIX}{path}"), t, world, rank));
+    });
+    let mut record = optim.to_record();
+    let mut moments = OptimizerState::<B> {
+        path: Vec::new(),
+        record: &mut record,
+        out: Vec::new(),
+    };
+    model.visit(&mut moments);
+    for (path, m1, m2) in moments.out {
+        parts.push(part_of(format!("{M1_PREFIX}{path}"), &m1, world, rank));
+        parts.push(part_of(format!("{M2_PREFIX}{path}"), &m2, world, rank));
+    }
+    snapshot::save(
+        &recipe.output.dir.join("snapshots"),
+        meta,
+        parts,
+        group,
+        recipe.output.keep,
+    )
+}
+
+type Record<B> = HashMap<ParamId, AdaptorRecord<AdamW, Train<B>>>;
+
+/// Collects each trained parameter's AdamW moments, with its module path.
+struct OptimizerState<'a, B: Backend> {
+    path: Vec<String>,
+    record: &'a mut HashMap<ParamId, AdaptorRecord<AdamW, Train<B>>>,
+    out: Vec<(String, ShardTensor<B>, ShardTensor<B>)>,
+}
+
+impl<B: Backend> ModuleVisitor<Train<B>> for OptimizerState<'_, B> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train<B>, D>>) {
+        if let Some(r) = self.record.remove(&param.id) {
+            let state: AdamWState<Shard<B>, D> = r.into_state();
+            self.out.push((
+                self.path.join("."),
+                pieces::primitive(state.momentum.moment_1),
+                pieces::primitive(state.momentum.moment_2),
+            ));
+        }
+    }
+}
+
+pub(crate) fn load_params<B, M>(model: M, snap: &Snapshot) -> Result<M>
+where
+    B: Backend,
+    M: AutodiffModule<Train<B>>,
+{
+    let mut error = None;
+    let model = pieces::map_params::<B, Train<B>, M>(model, |path, t| {
+        let range = held_range(t);
+        let shape = t.shape().as_slice().to_vec();
+        match snap.read(&format!("{TENSOR_PREFIX}{path}"), &shape, range.clone()) {
+            Ok(v) => v,
+            Err(e) => {
+                error.get_or_insert(e);
+                vec![0.0; range.len()]
+            }
+        }
+    });
+    match error {
+        Some(e) => Err(e),
+        None => Ok(model),
+    }
+}
+
+/// AdamW's record for `model`'s parameters from the snapshot, laid out as this run's strategy
+/// keeps optimizer state (whole, or sharded over the optimizer's group).
+fn load_optimizer<B, M>(
+    model: &M,
+    snap: &Snapshot,
+    time: usize,
+    device: &B::Device,
+) -> Result<Record<B>>
+where
+    B: Backend,
+    M: AutodiffModule<Train<B>>,
+{
+    struct Load<'a, B: Backend> {
+        path: Vec<String>,
+        snap: &'a Snapshot,
+        time: usize,
+        group: Option<Arc<dyn ProcessGroup>>,
+        device: &'a B::Device,
+        record: HashMap<ParamId, AdaptorRecord<AdamW, Train<B>>>,
+        error: Option<anyhow::Error>,
+    }
+    impl<B: Backend> Load<'_, B> {
+        fn moment<const D: usize>(
+            &self,
+            name: String,
+            shape: &[usize],
+        ) -> Result<Tensor<Shard<B>, D>> {
+            let numel = shape.iter().product();
+            let range = match &self.group {
+                Some(g) => shard_range(numel, g.world_size(), g.rank()),
+                None => 0..numel,
+            };
+            let values = self.snap.read(&name, shape, range)?;
+            Ok(pieces::tensor(pieces::from_values::<B>(
+                shape.to_vec().into(),
+                values,
+                self.group.as_ref(),
+                self.device,
+                DType::F32,
+            )))
+        }
+    }
+    impl<B: Backend> ModuleVisitor<Train<B>> for Load<'_, B> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train<B>, D>>) {
+            let path = self.path.join(".");
+            let m1 = format!("{M1_PREFIX}{path}");
+            if self.error.is_some() || !self.snap.manifest.tensors.contains_key(&m1) {
+                return; // Not trained yet (or frozen): no state.
+            }
+            let shape = param.val().dims().to_vec();
+            let moments = self
+                .moment::<D>(m1, &shape)
+                .and_then(|a| Ok((a, self.moment::<D>(format!("{M2_PREFIX}{path}"), &shape)?)));
+            match moments {
+                Ok((m1, m2)) => {
+                    let state = AdamWState::new(AdaptiveMomentumState::new(self.time, m1, m2));
+                    self.record
+                        .insert(param.id, AdaptorRecord::from_state(state));
+                }
+                Err(e) => self.error = Some(e),
+            }
+        }
+    }
+    let mut load = Load::<B> {
+        path: Vec::new(),
+        snap,
+        time,
+        group: optimizer_state_group::<B>(),
+        device,
+        record: HashMap::new(),
+        error: None,
+    };
+    model.visit(&mut load);
+    match load.error {
+        Some(e) => Err(e),
+        None => Ok(load.record),
+    }
+}
