@@ -45,6 +45,10 @@ pub struct TrainArgs {
     /// Continue from the newest snapshot in the output directory (any world size or strategy).
     #[arg(long)]
     resume: bool,
+    /// Stop after this step, with a snapshot (the schedule stays that of train.steps): for jobs
+    /// that must fit a time slot; the next one passes --resume.
+    #[arg(long)]
+    stop_after: Option<usize>,
     /// Start afresh even if the output directory holds snapshots (deletes them).
     #[arg(long, conflicts_with = "resume")]
     overwrite: bool,
@@ -122,6 +126,7 @@ pub fn train(args: &TrainArgs) -> Result<()> {
     let options = RunOptions {
         resume: args.resume,
         overwrite: args.overwrite,
+        stop_after: args.stop_after,
     };
     if std::env::var_os("RANK").is_some() {
         let env = kiln_comm::LaunchEnv::from_env()?;

@@ -32,7 +32,7 @@ pub use model::{BYTE_VOCAB, ModelSpec};
 pub use recipe::{
     DEFAULT_TOML, DataRecipe, ModelRecipe, OutputRecipe, ParallelRecipe, Recipe, TrainRecipe,
 };
-pub use run::{RunOptions, Summary, Train, lr_at, train_rank};
+pub use run::{RunOptions, Summary, Train, lr_at, train_rank, validation_batches};
 
 use anyhow::Result;
 use kiln_comm::{LocalGroup, spawn_ranks};

@@ -214,9 +214,16 @@ impl Recipe {
         for o in overrides {
             apply_override(&mut doc, o)?;
         }
-        let recipe: Recipe = doc
-            .try_into()
-            .map_err(|e: toml::de::Error| anyhow::anyhow!("{origin}: {}", e.message().trim()))?;
+        // Deserialising text (not the table) keeps spans: errors quote the offending line.
+        let (text, origin) = if overrides.is_empty() {
+            (text, origin)
+        } else {
+            (
+                toml::to_string(&doc).expect("a table serialises"),
+                format!("{origin} with the overrides {overrides:?}"),
+            )
+        };
+        let recipe: Recipe = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         recipe.validate()?;
         Ok(recipe)
     }

@@ -43,6 +43,9 @@ pub struct RunOptions {
     pub resume: bool,
     /// Start afresh even if the run directory holds snapshots (they are deleted).
     pub overwrite: bool,
+    /// Stop after this step, with a snapshot (a job that must fit a time slot: the next job
+    /// resumes). The schedule stays that of `train.steps`.
+    pub stop_after: Option<usize>,
 }
 
 /// What a rank's run did.
@@ -262,9 +265,9 @@ where
     let mut val_loss = None;
     let mut last_snapshot = None;
     let mut evaluated_at = None;
-    let mut snapshot_at = resume_from.as_ref().map(|_| first_step);
     drop(resume_from);
-    for step in first_step + 1..=t.steps {
+    let last_step = options.stop_after.map_or(t.steps, |s| s.min(t.steps));
+    for step in first_step + 1..=last_step {
         let lr = lr_at(t, step);
         let b = batch(
             &corpus.train,
@@ -301,7 +304,7 @@ where
         }))?;
         progress.step(step, loss, lr, tokens_per_step);
 
-        if t.eval_every > 0 && step.is_multiple_of(t.eval_every) || step == t.steps {
+        if t.eval_every > 0 && step.is_multiple_of(t.eval_every) || step == last_step {
             val_loss = evaluate::<B, M>(&model, &corpus, recipe, group.as_ref(), device)?;
             evaluated_at = Some(step);
             if let Some(v) = val_loss {
@@ -310,7 +313,7 @@ where
             }
         }
         let every = recipe.output.snapshot_every;
-        if every > 0 && step.is_multiple_of(every) || step == t.steps {
+        if every > 0 && step.is_multiple_of(every) || step == last_step {
             let meta = Meta {
                 step,
                 model_kind: spec.kind().into(),
@@ -324,15 +327,13 @@ where
             let dir = save::<B, M>(&model, &optim, &meta, group.as_ref(), recipe)?;
             progress.say(&format!("step {step}: snapshot {}", dir.display()));
             last_snapshot = Some(dir);
-            snapshot_at = Some(step);
         }
     }
-    let _ = snapshot_at;
-    if evaluated_at != Some(t.steps) {
+    if evaluated_at != Some(last_step) {
         val_loss = evaluate::<B, M>(&model, &corpus, recipe, group.as_ref(), device)?;
     }
 
-    let sample = (t.sample_chars > 0).then(|| {
+    let sample = (t.sample_chars > 0 && last_step == t.steps).then(|| {
         let prompt: Vec<u32> = corpus.validation[..corpus.validation.len().min(24)].to_vec();
         let config = GenerateConfig {
             max_new_tokens: t.sample_chars,
@@ -348,11 +349,11 @@ where
         format!("{}|{}", tok.decode(&prompt), tok.decode(&new))
     });
 
-    let steps_run = t.steps.saturating_sub(first_step);
+    let steps_run = last_step.saturating_sub(first_step);
     let tokens_per_s = progress.tokens_per_s(first_step + steps_run, tokens_per_step);
     let summary = Summary {
         first_step,
-        last_step: t.steps.max(first_step),
+        last_step: last_step.max(first_step),
         val_loss,
         tokens_per_s,
         sample,
@@ -408,6 +409,29 @@ fn tensors<AB: Backend>(
     )
 }
 
+/// This rank's rows of the validation batches: `eval_batches` draws from a stream of their own,
+/// the same at every evaluation and every world size.
+pub fn validation_batches(
+    corpus: &Corpus,
+    t: &crate::TrainRecipe,
+    rank: usize,
+    world: usize,
+) -> Vec<crate::data::Batch> {
+    let mut rng = SplitMix64(mix(t.seed ^ 0x7661_6c69_6461_7465));
+    (0..t.eval_batches)
+        .map(|_| {
+            batch(
+                &corpus.validation,
+                &mut rng,
+                t.batch_size,
+                t.seq_len,
+                rank,
+                world,
+            )
+        })
+        .collect()
+}
+
 /// The mean validation loss over `eval_batches` fixed batches (the same every time and at
 /// every world size), or `None` when there are none.
 fn evaluate<B, M>(
@@ -427,17 +451,8 @@ where
         return Ok(None);
     }
     let inner = model.valid();
-    let mut rng = SplitMix64(mix(t.seed ^ 0x7661_6c69_6461_7465));
     let mut total = 0.0;
-    for _ in 0..t.eval_batches {
-        let b = batch(
-            &corpus.validation,
-            &mut rng,
-            t.batch_size,
-            t.seq_len,
-            group.rank(),
-            group.world_size(),
-        );
+    for b in validation_batches(corpus, t, group.rank(), group.world_size()) {
         let (x, y) = tensors::<Shard<B>>(&b, device);
         let loss: f64 = causal_lm_loss(inner.forward(x), y).into_scalar().elem();
         total += loss;

@@ -1,0 +1,145 @@
+//! Snapshots in one process (ranks as threads): an interrupted run resumes bit for bit, a
+//! snapshot reshards across world sizes and strategies, and an export is the trained model.
+
+use burn::backend::Flex;
+use burn::prelude::ElementConversion;
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln_hf::{Pretrained, causal_lm_loss};
+use kiln_train::data::Corpus;
+use kiln_train::{Recipe, RunOptions, Summary, train_threads};
+use std::path::Path;
+
+/// A model and corpus small enough for debug builds: a step takes milliseconds.
+fn recipe(out: &Path, strategy: &str, extra: &[&str]) -> Recipe {
+    let mut o: Vec<String> = [
+        "model.layers=1",
+        "model.heads=2",
+        "model.dim=16",
+        "model.context=16",
+        "train.seq_len=16",
+        "train.batch_size=4",
+        "train.steps=6",
+        "train.warmup_steps=2",
+        "train.eval_every=0",
+        "train.eval_batches=2",
+        "train.sample_chars=0",
+        "data.synthetic_chars=20000",
+        "output.snapshot_every=0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    o.push(format!("parallel.strategy={strategy}"));
+    o.push(format!("output.dir={:?}", out.display().to_string()));
+    o.extend(extra.iter().map(|s| s.to_string()));
+    Recipe::load(None, &o).unwrap()
+}
+
+fn run(r: &Recipe, ranks: usize, resume: bool, stop_after: Option<usize>) -> Summary {
+    let options = RunOptions {
+        resume,
+        overwrite: !resume,
+        stop_after,
+    };
+    train_threads::<Flex>(r, ranks, options).unwrap()
+}
+
+#[test]
+fn an_interrupted_run_resumes_bit_for_bit() {
+    // Three ranks make every shard uneven (and need a batch they divide).
+    for (strategy, ranks, batch) in [("ddp", 2, 4), ("zero3", 2, 4), ("zero1", 3, 6)] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = format!("train.batch_size={batch}");
+        let whole = run(
+            &recipe(&dir.path().join("a"), strategy, &[&b]),
+            ranks,
+            false,
+            None,
+        );
+        let r = recipe(&dir.path().join("b"), strategy, &[&b]);
+        let first = run(&r, ranks, false, Some(3));
+        let rest = run(&r, ranks, true, None);
+        assert_eq!(first.last_step, 3);
+        assert_eq!(rest.first_step, 3);
+        let joined: Vec<f64> = first.losses.iter().chain(&rest.losses).copied().collect();
+        assert_eq!(joined, whole.losses, "{strategy} x{ranks}");
+        assert_eq!(rest.val_loss, whole.val_loss, "{strategy} x{ranks}");
+        assert!(whole.losses[5] < whole.losses[0], "{:?}", whole.losses);
+    }
+}
+
+#[test]
+fn a_snapshot_reshards_across_world_sizes_and_strategies() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    // The reference: ZeRO-3 on 4 ranks throughout.
+    let whole = run(
+        &recipe(&dir.path().join("ref"), "zero3", &[]),
+        4,
+        false,
+        None,
+    );
+    // ZeRO-3 x4 to step 3, ZeRO-2 x2 to step 4, one rank (DDP) to step 5, hybrid 2x2 to the end.
+    run(&recipe(&out, "zero3", &[]), 4, false, Some(3));
+    let at2 = run(&recipe(&out, "zero2", &[]), 2, true, Some(4));
+    let at1 = run(&recipe(&out, "ddp", &[]), 1, true, Some(5));
+    let hybrid = run(&recipe(&out, "hybrid:2", &[]), 4, true, None);
+    let resharded = [at2.losses[0], at1.losses[0], hybrid.losses[0]];
+    for (got, want) in resharded.iter().zip(&whole.losses[3..]) {
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs(),
+            "resharded losses {resharded:?} vs {:?}",
+            &whole.losses[3..]
+        );
+    }
+    let (v, w) = (hybrid.val_loss.unwrap(), whole.val_loss.unwrap());
+    assert!((v - w).abs() <= 1e-5 * w, "{v} vs {w}");
+}
+
+#[test]
+fn an_export_is_the_trained_model_on_plain_burn() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    for (kind, strategy) in [("gpt2", "zero3"), ("llama", "zero2")] {
+        let r = recipe(&out, strategy, &[&format!("model.kind={kind:?}")]);
+        let summary = run(&r, 2, false, None);
+        let hf = dir.path().join(format!("hf-{kind}"));
+        kiln_train::export(&out, &hf).unwrap();
+        // The exported directory, loaded by the model crate on plain Flex (no kiln), gives the
+        // validation loss the run reported.
+        let corpus = Corpus::from_recipe(&r.data, r.train.seed, r.train.seq_len).unwrap();
+        let batches = kiln_train::validation_batches(&corpus, &r.train, 0, 1);
+        let device = Default::default();
+        let loss_of = |logits: Tensor<Flex, 3>, b: &kiln_train::data::Batch| -> f64 {
+            let y = Tensor::<Flex, 2, Int>::from_data(
+                TensorData::new(b.targets.clone(), [b.rows, b.seq_len]),
+                &device,
+            );
+            causal_lm_loss(logits, y).into_scalar().elem()
+        };
+        let mut total = 0.0;
+        for b in &batches {
+            let x = Tensor::<Flex, 2, Int>::from_data(
+                TensorData::new(b.inputs.clone(), [b.rows, b.seq_len]),
+                &device,
+            );
+            let logits = match kind {
+                "gpt2" => kiln_hf::CausalLm::forward(
+                    &kiln_gpt2::Gpt2::<Flex>::from_pretrained(&hf, &device).unwrap(),
+                    x,
+                ),
+                _ => kiln_hf::CausalLm::forward(
+                    &kiln_llama::Llama::<Flex>::from_pretrained(&hf, &device).unwrap(),
+                    x,
+                ),
+            };
+            total += loss_of(logits, b);
+        }
+        let exported = total / batches.len() as f64;
+        let reported = summary.val_loss.unwrap();
+        assert!(
+            (exported - reported).abs() <= 1e-5 * reported,
+            "{kind}: exported model's loss {exported} vs the run's {reported}"
+        );
+    }
+}
