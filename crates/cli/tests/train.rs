@@ -1,0 +1,298 @@
+//! `kiln train` as a user runs it: processes under `kiln launch` killed and resumed, a crash
+//! while a snapshot is written, and every kind of bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// A model and corpus small enough for a debug build.
+const TINY: &[&str] = &[
+    "model.layers=1",
+    "model.heads=2",
+    "model.dim=16",
+    "model.context=16",
+    "train.seq_len=16",
+    "train.batch_size=4",
+    "train.warmup_steps=2",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.sample_chars=8",
+    "data.synthetic_chars=20000",
+    "output.progress_lines=4",
+];
+
+fn train_args(out: &Path, steps: usize, snapshot_every: usize, extra: &[&str]) -> Vec<String> {
+    let mut a = vec!["train".to_string()];
+    for s in TINY {
+        a.push("--set".into());
+        a.push(s.to_string());
+    }
+    a.extend([
+        "--steps".into(),
+        steps.to_string(),
+        "--snapshot-every".into(),
+        snapshot_every.to_string(),
+        "--out".into(),
+        out.display().to_string(),
+    ]);
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn launch(nproc: usize, args: &[String]) -> Command {
+    let mut c = Command::new(KILN);
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        &nproc.to_string(),
+        "--master-port",
+        "0",
+        "--",
+        KILN,
+    ])
+    .args(args)
+    .env("KILN_COMM_TIMEOUT", "60");
+    c
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn run_ok(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    t
+}
+
+/// The training loss of every step in a run's metrics log.
+fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((v["step"].as_u64()?, v.get("loss")?.as_f64()?))
+        })
+        .collect()
+}
+
+fn latest_step(run: &Path) -> Option<usize> {
+    let name = std::fs::read_to_string(run.join("snapshots/latest")).ok()?;
+    name.trim().strip_prefix("step-")?.parse().ok()
+}
+
+/// Direct children of `pid` (the launcher's ranks), from /proc.
+fn children(pid: u32) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let child: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // "pid (comm) state ppid ...": comm may hold spaces, so split after the last ')'.
+            let ppid: u32 = stat
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == pid).then_some(child)
+        })
+        .collect()
+}
+
+#[test]
+fn a_killed_two_process_run_resumes_with_the_same_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let (whole, cut) = (dir.path().join("whole"), dir.path().join("cut"));
+    let steps = 150;
+    let extra = ["--strategy", "zero2"];
+    run_ok(launch(2, &train_args(&whole, steps, 4, &extra)));
+
+    let mut job = launch(2, &train_args(&cut, steps, 4, &extra))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let end = Instant::now() + Duration::from_secs(300);
+    while latest_step(&cut).is_none_or(|s| s < 8) {
+        assert!(Instant::now() < end, "no snapshot of step 8 appeared");
+        assert!(job.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    // SIGKILL one rank mid-training: no chance to clean up; the launcher stops the other.
+    unsafe { libc::kill(ranks[1], libc::SIGKILL) };
+    let status = job.wait().unwrap();
+    assert!(!status.success());
+    let killed_at = latest_step(&cut).unwrap();
+    assert!(killed_at < steps, "the run finished before it was killed");
+
+    let resumed = run_ok(launch(
+        2,
+        &train_args(&cut, steps, 4, &[&extra[..], &["--resume"]].concat()),
+    ));
+    assert!(resumed.contains(&format!("resuming from")), "{resumed}");
+    let (a, b) = (losses(&whole), losses(&cut));
+    assert_eq!(a.len(), steps);
+    assert_eq!(a, b, "losses after resuming from step {killed_at} differ");
+}
+
+#[test]
+fn a_crash_while_writing_a_snapshot_leaves_the_previous_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (whole, cut) = (dir.path().join("whole"), dir.path().join("cut"));
+    let args =
+        |out: &Path, extra: &[&str]| train_args(out, 12, 4, &[&["--ranks", "2"], extra].concat());
+    let mut c = Command::new(KILN);
+    c.args(args(&whole, &[]));
+    run_ok(c);
+
+    let mut c = Command::new(KILN);
+    c.args(args(&cut, &[]))
+        .env("KILN_TEST_ABORT_IN_SNAPSHOT", "8");
+    let out = c.output().unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    assert_eq!(latest_step(&cut), Some(4));
+    let partial = cut.join("snapshots/.step-00000008.partial");
+    assert!(partial.join("rank-00000.safetensors").exists());
+    assert!(!partial.join("manifest.json").exists());
+
+    let mut c = Command::new(KILN);
+    c.args(args(&cut, &["--resume"]));
+    let t = run_ok(c);
+    assert!(t.contains("step-00000004 (step 4 of 12"), "{t}");
+    assert_eq!(losses(&whole), losses(&cut));
+    // The export of the finished run is a Hugging Face directory.
+    let hf = dir.path().join("hf");
+    let mut c = Command::new(KILN);
+    c.args([
+        "export",
+        &cut.display().to_string(),
+        "--out",
+        &hf.display().to_string(),
+    ]);
+    run_ok(c);
+    assert!(hf.join("model.safetensors").exists() && hf.join("config.json").exists());
+}
+
+/// Runs `kiln ARGS`, expecting a prompt failure whose message contains every `needle`.
+fn fails_with(args: Vec<String>, needles: &[&str]) {
+    let started = Instant::now();
+    let out = Command::new(KILN).args(&args).output().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {t}");
+    for n in needles {
+        assert!(t.contains(n), "{args:?}: expected {n:?} in:\n{t}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{args:?} took too long"
+    );
+}
+
+#[test]
+fn bad_inputs_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let p = |x: &PathBuf| x.display().to_string();
+
+    fails_with(
+        train_args(&run, 2, 0, &["--data", "/no/such/corpus.txt"]),
+        &["cannot read the data file /no/such/corpus.txt"],
+    );
+    let recipe = dir.path().join("typo.toml");
+    std::fs::write(&recipe, "[train]\nstpes = 3\n").unwrap();
+    fails_with(
+        vec!["train".into(), "--recipe".into(), p(&recipe)],
+        &["unknown field `stpes`", "typo.toml"],
+    );
+    fails_with(
+        vec![
+            "train".into(),
+            "--recipe".into(),
+            "/no/such/recipe.toml".into(),
+        ],
+        &["cannot read the recipe /no/such/recipe.toml"],
+    );
+    fails_with(
+        train_args(&run, 2, 0, &["--set", "model.layrs=2"]),
+        &["layrs"],
+    );
+    fails_with(
+        train_args(&run, 2, 0, &["--ranks", "3"]),
+        &["train.batch_size (4) must be a multiple of the world size (3)"],
+    );
+    fails_with(
+        train_args(&run, 2, 0, &["--ranks", "2", "--strategy", "hybrid:3"]),
+        &["hybrid:3", "got 2"],
+    );
+    fails_with(
+        train_args(&run, 2, 0, &["--strategy", "zero9"]),
+        &["unknown strategy 'zero9'"],
+    );
+    fails_with(
+        train_args(&run, 2, 0, &["--resume"]),
+        &["--resume: there is no complete snapshot"],
+    );
+
+    // A finished run, then resumes that do not fit it.
+    let mut c = Command::new(KILN);
+    c.args(train_args(&run, 2, 0, &[]));
+    run_ok(c);
+    fails_with(
+        train_args(&run, 2, 0, &[]),
+        &["already holds snapshots", "--resume", "--overwrite"],
+    );
+    fails_with(
+        train_args(&run, 4, 0, &["--resume", "--set", "model.dim=32"]),
+        &["is of a different model", "\"n_embd\":16", "\"n_embd\":32"],
+    );
+    let file = run.join("snapshots/step-00000002/rank-00000.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    fails_with(
+        train_args(&run, 4, 0, &["--resume"]),
+        &["rank-00000.safetensors is corrupted", "CRC32"],
+    );
+    fails_with(
+        vec![
+            "export".into(),
+            "/no/such/run".into(),
+            "--out".into(),
+            p(&dir.path().join("x")),
+        ],
+        &["no snapshot in /no/such/run"],
+    );
+
+    // Under a launcher, the recipe's world size must be the launcher's.
+    let out = launch(
+        2,
+        &train_args(
+            &dir.path().join("w"),
+            2,
+            0,
+            &["--set", "parallel.world_size=4"],
+        ),
+    )
+    .output()
+    .unwrap();
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("expects parallel.world_size = 4 but the launcher started 2"),
+        "{t}"
+    );
+}
