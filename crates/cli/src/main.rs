@@ -89,6 +89,12 @@ fn comm_check(args: &CommCheckArgs) -> Result<()> {
 }
 
 fn main() {
+    // Die quietly when the reader of our output goes away (`kiln train | head`), as Unix tools
+    // do, instead of panicking on a broken pipe.
+    // SAFETY: setting a signal's disposition to the default before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let code = match &cli.command {
         Command::Train(args) => match train::train(args) {
