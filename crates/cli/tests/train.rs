@@ -142,7 +142,7 @@ fn a_killed_two_process_run_resumes_with_the_same_losses() {
         2,
         &train_args(&cut, steps, 4, &[&extra[..], &["--resume"]].concat()),
     ));
-    assert!(resumed.contains(&format!("resuming from")), "{resumed}");
+    assert!(resumed.contains("resuming from"), "{resumed}");
     let (a, b) = (losses(&whole), losses(&cut));
     assert_eq!(a.len(), steps);
     assert_eq!(a, b, "losses after resuming from step {killed_at} differ");

@@ -110,6 +110,14 @@ impl ModelSpec {
         .expect("configs serialise")
     }
 
+    /// The longest sequence the model was configured for.
+    pub fn max_positions(&self) -> usize {
+        match self {
+            ModelSpec::Gpt2(c) => c.n_positions,
+            ModelSpec::Llama(c) => c.max_position_embeddings,
+        }
+    }
+
     fn vocab_size(&self) -> usize {
         match self {
             ModelSpec::Gpt2(c) => c.vocab_size,

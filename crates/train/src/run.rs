@@ -85,7 +85,15 @@ pub fn train_rank<B: Backend>(
     device: &B::Device,
 ) -> Result<Summary> {
     recipe.check_world(group.world_size(), launched)?;
-    match ModelSpec::from_recipe(&recipe.model)? {
+    let spec = ModelSpec::from_recipe(&recipe.model)?;
+    if recipe.train.seq_len > spec.max_positions() {
+        bail!(
+            "train.seq_len ({}) exceeds the model's {} positions",
+            recipe.train.seq_len,
+            spec.max_positions()
+        );
+    }
+    match spec {
         ModelSpec::Gpt2(c) => run::<B, kiln_gpt2::Gpt2<Train<B>>>(
             recipe,
             ModelSpec::Gpt2(c.clone()),

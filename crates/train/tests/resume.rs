@@ -143,3 +143,38 @@ fn an_export_is_the_trained_model_on_plain_burn() {
         );
     }
 }
+
+#[test]
+fn a_hugging_face_checkpoint_is_the_starting_point() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/hf/tests/fixtures");
+    for (kind, strategy) in [("gpt2", "zero3"), ("llama", "ddp")] {
+        let dir = tempfile::tempdir().unwrap();
+        let from = fixtures.join(format!("tiny-{kind}"));
+        let r = recipe(
+            dir.path(),
+            strategy,
+            &[&format!("model.from={:?}", from.display().to_string())],
+        );
+        let summary = run(&r, 2, false, Some(1));
+        // Step 1's loss is the checkpoint's own loss on step 1's batch, computed on plain Flex.
+        let corpus = Corpus::from_recipe(&r.data, r.train.seed, r.train.seq_len).unwrap();
+        let mut rng = kiln_train::data::SplitMix64(kiln_train::data::mix(r.train.seed));
+        let b = kiln_train::data::batch(&corpus.train, &mut rng, 4, 16, 0, 1);
+        let device = Default::default();
+        let x = Tensor::<Flex, 2, Int>::from_data(TensorData::new(b.inputs, [4, 16]), &device);
+        let y = Tensor::<Flex, 2, Int>::from_data(TensorData::new(b.targets, [4, 16]), &device);
+        let logits = match kind {
+            "gpt2" => kiln_hf::CausalLm::forward(
+                &kiln_gpt2::Gpt2::<Flex>::from_pretrained(&from, &device).unwrap(),
+                x,
+            ),
+            _ => kiln_hf::CausalLm::forward(
+                &kiln_llama::Llama::<Flex>::from_pretrained(&from, &device).unwrap(),
+                x,
+            ),
+        };
+        let want: f64 = causal_lm_loss(logits, y).into_scalar().elem();
+        let got = summary.losses[0];
+        assert!((got - want).abs() <= 1e-5 * want, "{kind}: {got} vs {want}");
+    }
+}
