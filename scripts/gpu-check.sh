@@ -35,6 +35,21 @@ if [ "$ngpu" -gt 1 ]; then
   done
 fi
 
+echo "== kiln train: 50 steps of the default recipe on one GPU against the CPU (losses, throughput)"
+tmp=$(mktemp -d)
+for dev in cpu cuda; do
+  "$kiln" train --device "$dev" --steps 50 --set train.sample_chars=0 --out "$tmp/$dev" --overwrite | tail -4
+done
+python3 - "$tmp" <<'PY'
+import json, sys
+def losses(d):
+    return [json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/{d}/metrics.jsonl") if '"loss"' in l]
+cpu, gpu = losses("cpu"), losses("cuda")
+worst = max(abs(a - b) / abs(a) for a, b in zip(cpu, gpu))
+print(f"train: largest relative loss difference cuda vs cpu over {len(cpu)} steps: {worst:.2e}")
+sys.exit(0 if worst < 1e-3 else 1)
+PY
+
 echo "== throughput: all-reduce over NCCL (host-staged) and TCP"
 "$kiln" launch --nproc-per-node "$ngpu" --master-port 0 -- target/release/comm-bench --backend nccl --max-size 64M
 echo "gpu-check: all checks passed"

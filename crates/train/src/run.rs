@@ -376,13 +376,20 @@ where
 
 fn print_summary(s: &Summary, corpus: &Corpus, elapsed: f64, out: &Path) {
     println!("---");
-    println!(
-        "trained steps {}..{} in {} ({} tok/s)",
-        s.first_step + 1,
-        s.last_step,
-        clock(elapsed),
-        human(s.tokens_per_s)
-    );
+    if s.losses.is_empty() {
+        println!(
+            "no steps to run: the snapshot is at step {} (raise train.steps to continue)",
+            s.first_step
+        );
+    } else {
+        println!(
+            "trained steps {}..{} in {} ({} tok/s)",
+            s.first_step + 1,
+            s.last_step,
+            clock(elapsed),
+            human(s.tokens_per_s)
+        );
+    }
     if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {
         println!("training loss {first:.4} -> {last:.4}");
     }

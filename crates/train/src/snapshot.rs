@@ -390,7 +390,14 @@ pub struct Snapshot {
     dir: PathBuf,
     /// The manifest.
     pub manifest: Manifest,
-    files: RefCell<HashMap<String, Vec<u8>>>,
+    files: RefCell<HashMap<String, LoadedFile>>,
+}
+
+/// A rank file's bytes and where each tensor's data lies in them.
+#[derive(Debug)]
+struct LoadedFile {
+    bytes: Vec<u8>,
+    offsets: HashMap<String, (usize, usize)>,
 }
 
 impl Snapshot {
@@ -475,16 +482,24 @@ impl Snapshot {
             }
             self.load(&p.file)?;
             let files = self.files.borrow();
-            let st = safetensors::SafeTensors::deserialize(&files[&p.file])
-                .map_err(|e| anyhow!("{}: {e}", self.dir.join(&p.file).display()))?;
-            let view = st.tensor(&p.key).map_err(|e| {
+            let file = &files[&p.file];
+            let &(begin, end) = file.offsets.get(&p.key).ok_or_else(|| {
                 anyhow!(
-                    "{}: tensor {}: {e}",
+                    "{} has no tensor {} (the manifest lists it)",
                     self.dir.join(&p.file).display(),
                     p.key
                 )
             })?;
-            let bytes = &view.data()[(lo - p.start) * 4..(hi - p.start) * 4];
+            if end - begin != (p.end - p.start) * 4 {
+                bail!(
+                    "{}: tensor {} has {} bytes, the manifest says {} elements",
+                    self.dir.join(&p.file).display(),
+                    p.key,
+                    end - begin,
+                    p.end - p.start
+                );
+            }
+            let bytes = &file.bytes[begin + (lo - p.start) * 4..begin + (hi - p.start) * 4];
             out.extend(
                 bytes
                     .chunks_exact(4)
@@ -525,7 +540,20 @@ impl Snapshot {
                 self.dir.display()
             );
         }
-        self.files.borrow_mut().insert(file.to_string(), bytes);
+        // The header is parsed once per file; reads then index the bytes directly.
+        let (header, metadata) = safetensors::SafeTensors::read_metadata(&bytes)
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let offsets = metadata
+            .tensors()
+            .into_iter()
+            .map(|(k, info)| {
+                let (a, b) = info.data_offsets;
+                (k, (8 + header + a, 8 + header + b))
+            })
+            .collect();
+        self.files
+            .borrow_mut()
+            .insert(file.to_string(), LoadedFile { bytes, offsets });
         Ok(())
     }
 }
