@@ -153,11 +153,7 @@ pub fn train(args: &TrainArgs) -> Result<()> {
         let rank = g.rank();
         rank_on_device(&recipe, Arc::new(g), false, options, &args.device, rank)
     });
-    // Report the first error in rank order (every rank fails alike on bad input).
-    for r in results {
-        r?;
-    }
-    Ok(())
+    kiln_train::rank_zero_or_root_cause(results).map(drop)
 }
 
 /// Arguments of `kiln export`.

@@ -34,7 +34,7 @@ pub use recipe::{
 };
 pub use run::{RunOptions, Summary, Train, lr_at, train_rank, validation_batches};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use kiln_comm::{LocalGroup, spawn_ranks};
 use std::sync::Arc;
 
@@ -56,5 +56,66 @@ pub fn train_threads<B: burn::tensor::backend::Backend>(
     let results = spawn_ranks(ranks, |g: LocalGroup| {
         train_rank::<B>(recipe, Arc::new(g), false, options, &Default::default())
     });
+    rank_zero_or_root_cause(results)
+}
+
+/// Rank 0's result when every rank succeeded; otherwise the error of the first rank that failed
+/// for a reason of its own, rather than a peer's that only saw it leave (a lost-peer or timeout
+/// error of the process group).
+///
+/// # Errors
+/// As described.
+pub fn rank_zero_or_root_cause<T>(results: Vec<Result<T>>) -> Result<T> {
+    use kiln_comm::CommError;
+    let is_comm = |e: &anyhow::Error| {
+        e.chain().any(|c| {
+            c.downcast_ref::<CommError>().is_some_and(|c| {
+                matches!(c, CommError::PeerLost { .. } | CommError::Timeout { .. })
+            })
+        })
+    };
+    if let Some(i) = results
+        .iter()
+        .position(|r| r.as_ref().is_err_and(|e| !is_comm(e)))
+        .or_else(|| results.iter().position(Result::is_err))
+    {
+        let rank = i;
+        return match results.into_iter().nth(i).expect("found") {
+            Err(e) => Err(e.context(format!("rank {rank} failed"))),
+            Ok(_) => unreachable!("position of an error"),
+        };
+    }
     results.into_iter().next().expect("at least one rank")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_comm::{CommError, OpContext, OpKind};
+
+    #[test]
+    fn the_root_cause_wins_over_a_peer_that_saw_it_leave() {
+        let lost = || -> Result<()> {
+            Err(CommError::PeerLost {
+                op: OpContext {
+                    kind: OpKind::AllReduce,
+                    seq: 3,
+                    group: "world".into(),
+                    rank: 0,
+                    world_size: 2,
+                },
+                peer: 1,
+                reason: "connection closed".into(),
+            })
+            .context("averaging the loss")
+        };
+        let e = rank_zero_or_root_cause(vec![lost(), Err(anyhow::anyhow!("disk full"))]);
+        assert_eq!(format!("{:#}", e.unwrap_err()), "rank 1 failed: disk full");
+        let e = rank_zero_or_root_cause(vec![Ok(()), lost()]).unwrap_err();
+        assert!(
+            format!("{e:#}").starts_with("rank 1 failed: averaging the loss"),
+            "{e:#}"
+        );
+        assert!(rank_zero_or_root_cause(vec![Ok(1), Ok(2)]).unwrap() == 1);
+    }
 }
