@@ -34,7 +34,7 @@ pub use recipe::{
 };
 pub use run::{RunOptions, Summary, Train, lr_at, train_rank, validation_batches};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kiln_comm::{LocalGroup, spawn_ranks};
 use std::sync::Arc;
 
@@ -91,6 +91,7 @@ pub fn rank_zero_or_root_cause<T>(results: Vec<Result<T>>) -> Result<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use anyhow::Context;
     use kiln_comm::{CommError, OpContext, OpKind};
 
     #[test]
