@@ -178,3 +178,28 @@ fn a_hugging_face_checkpoint_is_the_starting_point() {
         assert!((got - want).abs() <= 1e-5 * want, "{kind}: {got} vs {want}");
     }
 }
+
+#[test]
+fn every_strategy_trains_like_one_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let one = run(&recipe(&dir.path().join("one"), "ddp", &[]), 1, false, None);
+    for (strategy, ranks) in [
+        ("ddp", 4),
+        ("zero1", 2),
+        ("zero2", 4),
+        ("zero3", 4),
+        ("hybrid:2", 4),
+    ] {
+        let r = recipe(&dir.path().join(strategy), strategy, &[]);
+        let n = run(&r, ranks, false, None);
+        for (step, (a, b)) in n.losses.iter().zip(&one.losses).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * b,
+                "{strategy} x{ranks}, step {}: {a} vs {b} on one rank",
+                step + 1
+            );
+        }
+        let (a, b) = (n.val_loss.unwrap(), one.val_loss.unwrap());
+        assert!((a - b).abs() <= 1e-5 * b, "{strategy} x{ranks}: {a} vs {b}");
+    }
+}
