@@ -100,7 +100,7 @@ fn rank_on_device(
     options: RunOptions,
     device: &str,
     local_rank: usize,
-) -> Result<kiln_train::Summary> {
+) -> kiln_train::Result<kiln_train::Summary> {
     match device {
         "cpu" => {
             train_rank::<burn::backend::Flex>(recipe, group, launched, options, &Default::default())
@@ -112,7 +112,9 @@ fn rank_on_device(
         }
         other => {
             let _ = local_rank;
-            bail!("device '{other}' is not built in (cpu; cuda needs `--features cuda`)")
+            Err(kiln_train::TrainError::Recipe(format!(
+                "device '{other}' is not built in (cpu; cuda needs `--features cuda`)"
+            )))
         }
     }
 }
@@ -153,7 +155,8 @@ pub fn train(args: &TrainArgs) -> Result<()> {
         let rank = g.rank();
         rank_on_device(&recipe, Arc::new(g), false, options, &args.device, rank)
     });
-    kiln_train::rank_zero_or_root_cause(results).map(drop)
+    kiln_train::rank_zero_or_root_cause(results)?;
+    Ok(())
 }
 
 /// Arguments of `kiln export`.

@@ -11,7 +11,7 @@
 //! batch of a step is the same whatever the world size, and each rank takes an equal,
 //! contiguous share of its rows.
 
-use anyhow::{Context, Result, bail};
+use crate::error::{IoContext, Result, TrainError, fail};
 use std::path::Path;
 
 /// SplitMix64 (Steele, Lea, Flood 2014): tiny, seedable, its whole state one `u64`.
@@ -75,14 +75,15 @@ impl Corpus {
             synthetic(data.synthetic_chars, seed, data.validation_fraction)
         } else {
             let path = Path::new(&data.source);
-            let bytes = std::fs::read(path).with_context(|| {
+            let bytes = std::fs::read(path).io(|| {
                 format!(
                     "cannot read the data file {} (data.source; use \"synthetic\" for kiln's own corpus)",
                     path.display()
                 )
             })?;
-            let text = String::from_utf8(bytes)
-                .with_context(|| format!("{} is not UTF-8 text", path.display()))?;
+            let text = String::from_utf8(bytes).map_err(|e| {
+                TrainError::Data(format!("{} is not UTF-8 text: {e}", path.display()))
+            })?;
             let tokens = kiln_hf::ByteTokenizer.encode(&text);
             let cut = split_point(tokens.len(), data.validation_fraction);
             let train = tokens[..cut].to_vec();
@@ -96,7 +97,8 @@ impl Corpus {
         };
         let need = seq_len + 2;
         if corpus.train.len() < need || corpus.validation.len() < need {
-            bail!(
+            fail!(
+                Data,
                 "the corpus ({}) is too short: training has {} tokens and validation {}, each needs \
                  at least seq_len + 2 = {need}",
                 corpus.description,

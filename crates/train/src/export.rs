@@ -1,10 +1,10 @@
 //! `kiln export`: a snapshot, written by any number of ranks under any strategy, as one
 //! Hugging Face directory (`config.json` and a single consolidated `model.safetensors`).
 
+use crate::error::Result;
 use crate::model::ModelSpec;
 use crate::run::{Train, load_params};
 use crate::snapshot::Snapshot;
-use anyhow::Result;
 use burn::backend::Flex;
 use burn::module::AutodiffModule;
 use kiln_hf::Pretrained;

@@ -14,11 +14,12 @@
 //! let recipe = Recipe::load(None, &["train.steps=50".into(), "parallel.strategy=zero3".into()])?;
 //! let summary = train_threads::<burn::backend::Flex>(&recipe, 2, RunOptions::default())?;
 //! println!("validation loss {:?}", summary.val_loss);
-//! # Ok::<(), anyhow::Error>(())
+//! # Ok::<(), kiln_train::TrainError>(())
 //! ```
 #![warn(missing_docs)]
 
 pub mod data;
+mod error;
 mod export;
 pub mod init;
 mod model;
@@ -27,6 +28,7 @@ mod recipe;
 mod run;
 pub mod snapshot;
 
+pub use error::{Result, TrainError};
 pub use export::export;
 pub use model::{BYTE_VOCAB, ModelSpec};
 pub use recipe::{
@@ -34,7 +36,6 @@ pub use recipe::{
 };
 pub use run::{RunOptions, Summary, Train, lr_at, train_rank, validation_batches};
 
-use anyhow::Result;
 use kiln_comm::{LocalGroup, spawn_ranks};
 use std::sync::Arc;
 
@@ -49,7 +50,7 @@ pub fn train_threads<B: burn::tensor::backend::Backend>(
     options: RunOptions,
 ) -> Result<Summary> {
     if ranks == 0 {
-        anyhow::bail!("--ranks must be at least 1");
+        return Err(TrainError::World("--ranks must be at least 1".into()));
     }
     // Check before any thread starts, so that a bad world size is one clear error.
     recipe.check_world(ranks, false)?;
@@ -66,22 +67,16 @@ pub fn train_threads<B: burn::tensor::backend::Backend>(
 /// # Errors
 /// As described.
 pub fn rank_zero_or_root_cause<T>(results: Vec<Result<T>>) -> Result<T> {
-    use kiln_comm::CommError;
-    let is_comm = |e: &anyhow::Error| {
-        e.chain().any(|c| {
-            c.downcast_ref::<CommError>().is_some_and(|c| {
-                matches!(c, CommError::PeerLost { .. } | CommError::Timeout { .. })
-            })
-        })
-    };
     if let Some(i) = results
         .iter()
-        .position(|r| r.as_ref().is_err_and(|e| !is_comm(e)))
+        .position(|r| r.as_ref().is_err_and(|e| !e.is_peer_failure()))
         .or_else(|| results.iter().position(Result::is_err))
     {
-        let rank = i;
         return match results.into_iter().nth(i).expect("found") {
-            Err(e) => Err(e.context(format!("rank {rank} failed"))),
+            Err(e) => Err(TrainError::Rank {
+                rank: i,
+                source: Box::new(e),
+            }),
             Ok(_) => unreachable!("position of an error"),
         };
     }
@@ -91,13 +86,12 @@ pub fn rank_zero_or_root_cause<T>(results: Vec<Result<T>>) -> Result<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use anyhow::Context;
     use kiln_comm::{CommError, OpContext, OpKind};
 
     #[test]
     fn the_root_cause_wins_over_a_peer_that_saw_it_leave() {
         let lost = || -> Result<()> {
-            Err(CommError::PeerLost {
+            Err(TrainError::Comm(CommError::PeerLost {
                 op: OpContext {
                     kind: OpKind::AllReduce,
                     seq: 3,
@@ -107,15 +101,16 @@ mod tests {
                 },
                 peer: 1,
                 reason: "connection closed".into(),
-            })
-            .context("averaging the loss")
+            }))
         };
-        let e = rank_zero_or_root_cause(vec![lost(), Err(anyhow::anyhow!("disk full"))]);
-        assert_eq!(format!("{:#}", e.unwrap_err()), "rank 1 failed: disk full");
+        let full = || Err(TrainError::Snapshot("disk full".into()));
+        let e = rank_zero_or_root_cause(vec![lost(), full()]).unwrap_err();
+        assert_eq!(e.to_string(), "rank 1 failed: disk full");
         let e = rank_zero_or_root_cause(vec![Ok(()), lost()]).unwrap_err();
+        assert!(e.is_peer_failure());
         assert!(
-            format!("{e:#}").starts_with("rank 1 failed: averaging the loss"),
-            "{e:#}"
+            e.to_string().starts_with("rank 1 failed: all_reduce #3"),
+            "{e}"
         );
         assert!(rank_zero_or_root_cause(vec![Ok(1), Ok(2)]).unwrap() == 1);
     }

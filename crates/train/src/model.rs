@@ -1,7 +1,7 @@
 //! Which model a run trains: GPT-2 or Llama, from the recipe's sizes or a Hugging Face directory.
 
 use crate::ModelRecipe;
-use anyhow::{Context, Result, bail};
+use crate::error::{Result, TrainError, fail};
 use kiln_gpt2::Gpt2Config;
 use kiln_llama::LlamaConfig;
 use serde_json::json;
@@ -31,7 +31,8 @@ impl ModelSpec {
                 match kind.as_str() {
                     "gpt2" => ModelSpec::Gpt2(Gpt2Config::from_dir(dir)?),
                     "llama" => ModelSpec::Llama(LlamaConfig::from_dir(dir)?),
-                    other => bail!(
+                    other => fail!(
+                        Model,
                         "{} has model_type '{other}'; kiln trains gpt2 and llama",
                         kiln_hf::config_path(dir).display()
                     ),
@@ -56,14 +57,15 @@ impl ModelSpec {
                         "num_attention_heads": m.heads,
                         "max_position_embeddings": m.context,
                     }),
-                    other => bail!("model.kind = '{other}': expected gpt2 or llama"),
+                    other => fail!(Model, "model.kind = '{other}': expected gpt2 or llama"),
                 };
                 ModelSpec::from_json(&m.kind, &config)?
             }
         };
         let vocab = spec.vocab_size();
         if vocab < BYTE_VOCAB {
-            bail!(
+            fail!(
+                Model,
                 "the model's vocabulary has {vocab} tokens; kiln's byte tokenizer needs at least \
                  {BYTE_VOCAB}"
             );
@@ -78,18 +80,18 @@ impl ModelSpec {
     pub fn from_json(kind: &str, config: &serde_json::Value) -> Result<ModelSpec> {
         Ok(match kind {
             "gpt2" => {
-                let c: Gpt2Config =
-                    serde_json::from_value(config.clone()).context("an invalid GPT-2 config")?;
-                c.validate().map_err(anyhow::Error::msg)?;
+                let c: Gpt2Config = serde_json::from_value(config.clone())
+                    .map_err(|e| TrainError::Model(format!("an invalid GPT-2 config: {e}")))?;
+                c.validate().map_err(TrainError::Model)?;
                 ModelSpec::Gpt2(c)
             }
             "llama" => {
-                let c: LlamaConfig =
-                    serde_json::from_value(config.clone()).context("an invalid Llama config")?;
-                c.validate().map_err(anyhow::Error::msg)?;
+                let c: LlamaConfig = serde_json::from_value(config.clone())
+                    .map_err(|e| TrainError::Model(format!("an invalid Llama config: {e}")))?;
+                c.validate().map_err(TrainError::Model)?;
                 ModelSpec::Llama(c)
             }
-            other => bail!("unknown model kind '{other}' (gpt2, llama)"),
+            other => fail!(Model, "unknown model kind '{other}' (gpt2, llama)"),
         })
     }
 

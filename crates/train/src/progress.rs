@@ -1,7 +1,7 @@
 //! What a person watching a run sees (rank 0 only): a progress bar on a terminal, periodic lines
 //! otherwise (under `kiln launch`, or redirected to a file), and a JSONL metrics log.
 
-use anyhow::{Context, Result};
+use crate::error::{IoContext, Result};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -46,12 +46,12 @@ impl Progress {
                 .map(|l| format!("{l}\n"))
                 .collect();
             std::fs::write(metrics_path, kept)
-                .with_context(|| format!("cannot write {}", metrics_path.display()))?;
+                .io(|| format!("cannot write {}", metrics_path.display()))?;
             Some(
                 std::fs::OpenOptions::new()
                     .append(true)
                     .open(metrics_path)
-                    .with_context(|| format!("cannot open {}", metrics_path.display()))?,
+                    .io(|| format!("cannot open {}", metrics_path.display()))?,
             )
         } else {
             None
@@ -88,7 +88,7 @@ impl Progress {
     pub fn record(&mut self, value: serde_json::Value) -> Result<()> {
         if let Some(f) = &mut self.metrics {
             writeln!(f, "{value}")
-                .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
+                .io(|| format!("cannot write {}", self.metrics_path.display()))?;
         }
         Ok(())
     }

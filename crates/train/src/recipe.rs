@@ -4,7 +4,7 @@
 //! than a silently ignored setting. Overrides are dotted `key=value` pairs applied to the TOML
 //! document before it is checked (`train.lr=1e-3`), so they are checked the same way.
 
-use anyhow::{Context, Result, bail};
+use crate::error::{IoContext, Result, TrainError, fail};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -204,13 +204,13 @@ impl Recipe {
         let (text, origin) = match path {
             Some(p) => (
                 std::fs::read_to_string(p)
-                    .with_context(|| format!("cannot read the recipe {}", p.display()))?,
+                    .io(|| format!("cannot read the recipe {}", p.display()))?,
                 p.display().to_string(),
             ),
             None => (DEFAULT_TOML.to_string(), "the default recipe".to_string()),
         };
         let mut doc: toml::Table =
-            toml::from_str(&text).with_context(|| format!("{origin} is not valid TOML"))?;
+            toml::from_str(&text).map_err(|e| TrainError::Recipe(format!("{origin}: {e}")))?;
         for o in overrides {
             apply_override(&mut doc, o)?;
         }
@@ -223,7 +223,8 @@ impl Recipe {
                 format!("{origin} with the overrides {overrides:?}"),
             )
         };
-        let recipe: Recipe = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+        let recipe: Recipe =
+            toml::from_str(&text).map_err(|e| TrainError::Recipe(format!("{origin}: {e}")))?;
         recipe.validate()?;
         Ok(recipe)
     }
@@ -236,10 +237,11 @@ impl Recipe {
         let t = &self.train;
         let m = &self.model;
         if !["gpt2", "llama"].contains(&m.kind.as_str()) {
-            bail!("model.kind = '{}': expected gpt2 or llama", m.kind);
+            fail!(Recipe, "model.kind = '{}': expected gpt2 or llama", m.kind);
         }
         if t.steps == 0 || t.batch_size == 0 || t.seq_len == 0 {
-            bail!(
+            fail!(
+                Recipe,
                 "train.steps ({}), train.batch_size ({}) and train.seq_len ({}) must be > 0",
                 t.steps,
                 t.batch_size,
@@ -248,14 +250,16 @@ impl Recipe {
         }
         if m.from.is_none() {
             if m.heads == 0 || !m.dim.is_multiple_of(m.heads) {
-                bail!(
+                fail!(
+                    Recipe,
                     "model.dim ({}) must be a multiple of model.heads ({})",
                     m.dim,
                     m.heads
                 );
             }
             if t.seq_len > m.context {
-                bail!(
+                fail!(
+                    Recipe,
                     "train.seq_len ({}) exceeds model.context ({})",
                     t.seq_len,
                     m.context
@@ -263,16 +267,17 @@ impl Recipe {
             }
         }
         if !(t.lr > 0.0 && t.lr.is_finite()) {
-            bail!("train.lr must be > 0, got {}", t.lr);
+            fail!(Recipe, "train.lr must be > 0, got {}", t.lr);
         }
         if !(0.0..1.0).contains(&self.data.validation_fraction) {
-            bail!(
+            fail!(
+                Recipe,
                 "data.validation_fraction must be in [0, 1), got {}",
                 self.data.validation_fraction
             );
         }
         if self.output.keep == 0 {
-            bail!("output.keep must be at least 1");
+            fail!(Recipe, "output.keep must be at least 1");
         }
         self.strategy()?;
         Ok(())
@@ -293,13 +298,15 @@ impl Recipe {
     /// launcher's world size other than `parallel.world_size`.
     pub fn check_world(&self, world: usize, launched: bool) -> Result<()> {
         if launched && self.parallel.world_size != 0 && self.parallel.world_size != world {
-            bail!(
+            fail!(
+                World,
                 "the recipe expects parallel.world_size = {} but the launcher started {world} ranks",
                 self.parallel.world_size
             );
         }
         if !self.train.batch_size.is_multiple_of(world) {
-            bail!(
+            fail!(
+                World,
                 "train.batch_size ({}) must be a multiple of the world size ({world}): each rank \
                  takes an equal share of the global batch",
                 self.train.batch_size
@@ -308,7 +315,8 @@ impl Recipe {
         if let kiln_shard::Strategy::Hybrid { shard_size } = self.strategy()?
             && (shard_size == 0 || !world.is_multiple_of(shard_size))
         {
-            bail!(
+            fail!(
+                World,
                 "parallel.strategy hybrid:{shard_size} needs a world size divisible by \
                  {shard_size}, got {world}"
             );
@@ -324,7 +332,10 @@ impl Recipe {
 
 fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
     let Some((key, value)) = assignment.split_once('=') else {
-        bail!("override '{assignment}' is not key=value (e.g. train.lr=1e-3)");
+        fail!(
+            Recipe,
+            "override '{assignment}' is not key=value (e.g. train.lr=1e-3)"
+        );
     };
     let key = key.trim();
     let value = value.trim();
@@ -342,7 +353,7 @@ fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
             .or_insert_with(|| toml::Value::Table(Default::default()));
         table = match entry {
             toml::Value::Table(t) => t,
-            _ => bail!("override '{assignment}': '{part}' is not a table"),
+            _ => fail!(Recipe, "override '{assignment}': '{part}' is not a table"),
         };
     }
     table.insert(last.to_string(), parsed);

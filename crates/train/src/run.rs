@@ -10,11 +10,11 @@
 //! per-metric files), periodic validation, snapshots with resume, and a final summary.
 
 use crate::data::{Corpus, SplitMix64, batch, mix};
+use crate::error::{IoContext, Result, TrainError, fail};
 use crate::model::ModelSpec;
 use crate::progress::{Progress, clock, human};
 use crate::snapshot::{self, Meta, Part, Snapshot};
 use crate::{Recipe, init};
-use anyhow::{Context, Result, anyhow, bail};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -87,7 +87,8 @@ pub fn train_rank<B: Backend>(
     recipe.check_world(group.world_size(), launched)?;
     let spec = ModelSpec::from_recipe(&recipe.model)?;
     if recipe.train.seq_len > spec.max_positions() {
-        bail!(
+        fail!(
+            Model,
             "train.seq_len ({}) exceeds the model's {} positions",
             recipe.train.seq_len,
             spec.max_positions()
@@ -154,20 +155,21 @@ where
     let existing = snapshot::latest(&snapshots)?;
     if rank == 0 {
         std::fs::create_dir_all(&snapshots)
-            .with_context(|| format!("cannot create {}", snapshots.display()))?;
+            .io(|| format!("cannot create {}", snapshots.display()))?;
         if existing.is_some() && !options.resume && options.overwrite {
             std::fs::remove_dir_all(&snapshots)
                 .and_then(|()| std::fs::create_dir_all(&snapshots))
-                .with_context(|| format!("cannot clear {}", snapshots.display()))?;
+                .io(|| format!("cannot clear {}", snapshots.display()))?;
         }
         std::fs::write(out.join("recipe.toml"), recipe.to_toml())
-            .with_context(|| format!("cannot write {}", out.join("recipe.toml").display()))?;
+            .io(|| format!("cannot write {}", out.join("recipe.toml").display()))?;
     }
     if let Some(newest) = &existing
         && !options.resume
         && !options.overwrite
     {
-        bail!(
+        fail!(
+            Snapshot,
             "{} already holds snapshots (newest: {}): pass --resume to continue that run, \
              --overwrite to start afresh, or another output directory",
             snapshots.display(),
@@ -176,15 +178,16 @@ where
     }
     let resume_from = if options.resume {
         let dir = existing.ok_or_else(|| {
-            anyhow!(
+            TrainError::Snapshot(format!(
                 "--resume: there is no complete snapshot in {}",
                 snapshots.display()
-            )
+            ))
         })?;
         let snap = Snapshot::open(&dir)?;
         let meta = &snap.manifest.meta;
         if meta.model_kind != spec.kind() || meta.model_config != spec.config_json() {
-            bail!(
+            fail!(
+                Snapshot,
                 "the snapshot {} is of a different model: it holds a {} with config {}, the \
                  recipe asks for a {} with config {}",
                 dir.display(),
@@ -299,7 +302,10 @@ where
         optimizer_time += 1;
         let loss = all_mean(group.as_ref(), local)?;
         if !loss.is_finite() {
-            bail!("the loss is {loss} at step {step}: lower train.lr or raise train.grad_clip");
+            fail!(
+                Diverged,
+                "the loss is {loss} at step {step}: lower train.lr or raise train.grad_clip"
+            );
         }
         losses.push(loss);
         progress.record(serde_json::json!({
@@ -602,7 +608,7 @@ where
         group: Option<Arc<dyn ProcessGroup>>,
         device: &'a B::Device,
         record: HashMap<ParamId, AdaptorRecord<AdamW, Train<B>>>,
-        error: Option<anyhow::Error>,
+        error: Option<TrainError>,
     }
     impl<B: Backend> Load<'_, B> {
         fn moment<const D: usize>(

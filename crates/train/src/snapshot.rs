@@ -20,7 +20,7 @@
 //! cover it (PyTorch DCP's approach), which needs the directory to be visible to every rank
 //! (one machine, or a shared filesystem across nodes).
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{IoContext, Result, TrainError, fail};
 use kiln_comm::ProcessGroup;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
@@ -137,12 +137,11 @@ fn step_dir(step: usize) -> String {
 /// Writes `bytes` to `path` atomically: a temporary file, synced, renamed over `path`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let mut f = std::fs::File::create(&tmp).io(|| format!("cannot create {}", tmp.display()))?;
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot rename to {}", path.display()))?;
+        .io(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).io(|| format!("cannot rename to {}", path.display()))?;
     Ok(())
 }
 
@@ -184,10 +183,9 @@ pub fn save(
     if rank == 0 {
         if partial.exists() {
             std::fs::remove_dir_all(&partial)
-                .with_context(|| format!("cannot remove {}", partial.display()))?;
+                .io(|| format!("cannot remove {}", partial.display()))?;
         }
-        std::fs::create_dir_all(&partial)
-            .with_context(|| format!("cannot create {}", partial.display()))?;
+        std::fs::create_dir_all(&partial).io(|| format!("cannot create {}", partial.display()))?;
     }
     group.barrier()?;
 
@@ -226,15 +224,19 @@ pub fn save(
             )
         })
         .collect();
-    let bytes = safetensors::serialize(views, None)
-        .map_err(|e| anyhow!("cannot serialise rank {rank}'s snapshot file: {e}"))?;
+    let bytes = safetensors::serialize(views, None).map_err(|e| {
+        TrainError::Snapshot(format!("cannot serialise rank {rank}'s snapshot file: {e}"))
+    })?;
     index.bytes = bytes.len() as u64;
     index.crc32 = crc32fast::hash(&bytes);
     if abort_requested(meta.step, rank) {
         let path = partial.join(&file);
-        let mut f = std::fs::File::create(&path)?;
-        f.write_all(&bytes[..bytes.len() / 2])?;
-        f.sync_all()?;
+        std::fs::File::create(&path)
+            .and_then(|mut f| {
+                f.write_all(&bytes[..bytes.len() / 2])?;
+                f.sync_all()
+            })
+            .io(|| format!("cannot write {}", path.display()))?;
         eprintln!(
             "kiln: KILN_TEST_ABORT_IN_SNAPSHOT: aborting while writing {}",
             path.display()
@@ -244,7 +246,9 @@ pub fn save(
     write_atomic(&partial.join(&file), &bytes)?;
     write_atomic(
         &partial.join(format!("rank-{rank:05}.json")),
-        serde_json::to_string(&index)?.as_bytes(),
+        serde_json::to_string(&index)
+            .expect("an index serialises")
+            .as_bytes(),
     )?;
     group.barrier()?;
 
@@ -258,14 +262,15 @@ pub fn save(
         for r in 0..group.world_size() {
             let path = partial.join(format!("rank-{r:05}.json"));
             let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("rank {r} did not finish its snapshot file"))?;
+                .io(|| format!("rank {r} did not finish its snapshot file"))?;
             let index: RankIndex = serde_json::from_str(&text)
-                .with_context(|| format!("{} is damaged", path.display()))?;
+                .map_err(|e| TrainError::Snapshot(format!("{} is damaged: {e}", path.display())))?;
             let on_disk = std::fs::metadata(partial.join(&index.file))
                 .map(|m| m.len())
                 .unwrap_or(0);
             if on_disk != index.bytes {
-                bail!(
+                fail!(
+                    Snapshot,
                     "rank {r}'s snapshot file has {on_disk} bytes, it wrote {}",
                     index.bytes
                 );
@@ -296,17 +301,17 @@ pub fn save(
         }
         write_atomic(
             &partial.join(MANIFEST),
-            serde_json::to_string_pretty(&manifest)?.as_bytes(),
+            serde_json::to_string_pretty(&manifest)
+                .expect("a manifest serialises")
+                .as_bytes(),
         )?;
         sync_dir(&partial);
         if done.exists() {
             // A snapshot of the same step from an earlier attempt: this one replaces it.
-            std::fs::remove_dir_all(&done)
-                .with_context(|| format!("cannot replace {}", done.display()))?;
+            std::fs::remove_dir_all(&done).io(|| format!("cannot replace {}", done.display()))?;
         }
-        std::fs::rename(&partial, &done).with_context(|| {
-            format!("cannot rename {} to {}", partial.display(), done.display())
-        })?;
+        std::fs::rename(&partial, &done)
+            .io(|| format!("cannot rename {} to {}", partial.display(), done.display()))?;
         sync_dir(root);
         write_atomic(&root.join(LATEST), name.as_bytes())?;
         sync_dir(root);
@@ -325,7 +330,8 @@ fn check_coverage(name: &str, t: &TensorEntry) -> Result<()> {
     let mut next = 0;
     for p in &t.pieces {
         if p.start != next {
-            bail!(
+            fail!(
+                Snapshot,
                 "tensor '{name}': elements {next}..{} are in no piece (or in two)",
                 p.start
             );
@@ -333,7 +339,10 @@ fn check_coverage(name: &str, t: &TensorEntry) -> Result<()> {
         next = p.end;
     }
     if next != numel {
-        bail!("tensor '{name}' has {numel} elements, its pieces cover {next}");
+        fail!(
+            Snapshot,
+            "tensor '{name}' has {numel} elements, its pieces cover {next}"
+        );
     }
     Ok(())
 }
@@ -370,7 +379,8 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
         Ok(name) => {
             let dir = root.join(name.trim());
             if !dir.join(MANIFEST).exists() {
-                bail!(
+                fail!(
+                    Snapshot,
                     "{} names {}, which has no {MANIFEST}",
                     root.join(LATEST).display(),
                     dir.display()
@@ -413,18 +423,24 @@ impl Snapshot {
         } else if let Some(d) = latest(dir)? {
             d
         } else {
-            bail!(
+            fail!(
+                Snapshot,
                 "no snapshot in {} (expected {MANIFEST}, or a run directory with snapshots/)",
                 dir.display()
             );
         };
         let path = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let manifest: Manifest = serde_json::from_str(&text)
-            .with_context(|| format!("the snapshot manifest {} is damaged", path.display()))?;
+        let text =
+            std::fs::read_to_string(&path).io(|| format!("cannot read {}", path.display()))?;
+        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
+            TrainError::Snapshot(format!(
+                "the snapshot manifest {} is damaged: {e}",
+                path.display()
+            ))
+        })?;
         if manifest.format != FORMAT {
-            bail!(
+            fail!(
+                Snapshot,
                 "{} has format {}, this kiln reads format {FORMAT}",
                 path.display(),
                 manifest.format
@@ -452,10 +468,10 @@ impl Snapshot {
             .get(name)
             .map(|t| t.shape.as_slice())
             .ok_or_else(|| {
-                anyhow!(
+                TrainError::Snapshot(format!(
                     "the snapshot in {} has no tensor '{name}'",
                     self.dir.display()
-                )
+                ))
             })
     }
 
@@ -466,7 +482,8 @@ impl Snapshot {
     pub fn read(&self, name: &str, shape: &[usize], range: Range<usize>) -> Result<Vec<f32>> {
         let found = self.shape(name)?;
         if found != shape {
-            bail!(
+            fail!(
+                Snapshot,
                 "tensor '{name}' is {found:?} in the snapshot {} but {shape:?} in this model: the \
                  snapshot is of a different model",
                 self.dir.display()
@@ -484,14 +501,15 @@ impl Snapshot {
             let files = self.files.borrow();
             let file = &files[&p.file];
             let &(begin, end) = file.offsets.get(&p.key).ok_or_else(|| {
-                anyhow!(
+                TrainError::Snapshot(format!(
                     "{} has no tensor {} (the manifest lists it)",
                     self.dir.join(&p.file).display(),
                     p.key
-                )
+                ))
             })?;
             if end - begin != (p.end - p.start) * 4 {
-                bail!(
+                fail!(
+                    Snapshot,
                     "{}: tensor {} has {} bytes, the manifest says {} elements",
                     self.dir.join(&p.file).display(),
                     p.key,
@@ -507,7 +525,8 @@ impl Snapshot {
             );
         }
         if out.len() != range.len() {
-            bail!(
+            fail!(
+                Snapshot,
                 "the snapshot {} covers {} of elements {range:?} of '{name}'",
                 self.dir.display(),
                 out.len()
@@ -521,16 +540,14 @@ impl Snapshot {
             return Ok(());
         }
         let path = self.dir.join(file);
-        let expected = self
-            .manifest
-            .files
-            .get(file)
-            .ok_or_else(|| anyhow!("the manifest does not list {}", path.display()))?;
-        let bytes =
-            std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let expected = self.manifest.files.get(file).ok_or_else(|| {
+            TrainError::Snapshot(format!("the manifest does not list {}", path.display()))
+        })?;
+        let bytes = std::fs::read(&path).io(|| format!("cannot read {}", path.display()))?;
         let crc = crc32fast::hash(&bytes);
         if bytes.len() as u64 != expected.bytes || crc != expected.crc32 {
-            bail!(
+            fail!(
+                Snapshot,
                 "snapshot file {} is corrupted: {} bytes with CRC32 {crc:08x}, the manifest says {} \
                  bytes with CRC32 {:08x}. Delete {} to resume from an earlier snapshot",
                 path.display(),
@@ -542,7 +559,7 @@ impl Snapshot {
         }
         // The header is parsed once per file; reads then index the bytes directly.
         let (header, metadata) = safetensors::SafeTensors::read_metadata(&bytes)
-            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+            .map_err(|e| TrainError::Snapshot(format!("{}: {e}", path.display())))?;
         let offsets = metadata
             .tensors()
             .into_iter()

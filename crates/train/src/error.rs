@@ -1,0 +1,94 @@
+//! kiln-train's errors: what is wrong, named, with the numbers.
+
+use kiln_comm::CommError;
+use kiln_hf::HfError;
+use kiln_shard::ShardError;
+
+/// Why a run could not start, continue or save.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// The recipe: an unknown key (named), a value of the wrong type, an inconsistent setting.
+    #[error("{0}")]
+    Recipe(String),
+    /// Settings that do not fit the world size (batch, hybrid degree, launcher's world size).
+    #[error("{0}")]
+    World(String),
+    /// The corpus: a missing, non-UTF-8 or too short file.
+    #[error("{0}")]
+    Data(String),
+    /// The model: an unknown kind, an unsupported checkpoint, a vocabulary or length that does not fit.
+    #[error("{0}")]
+    Model(String),
+    /// A snapshot: none to resume, damaged, incomplete, or of another model.
+    #[error("{0}")]
+    Snapshot(String),
+    /// The loss stopped being finite.
+    #[error("{0}")]
+    Diverged(String),
+    /// A file or directory that cannot be read or written.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done, with the path.
+        what: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// Sharding the model failed.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// A Hugging Face checkpoint could not be read or written.
+    #[error(transparent)]
+    Hf(#[from] HfError),
+    /// One rank's failure, in a run of several.
+    #[error("rank {rank} failed: {source}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// Its error.
+        #[source]
+        source: Box<TrainError>,
+    },
+}
+
+impl TrainError {
+    /// Whether this rank failed only because a peer went away or stopped answering (the root
+    /// cause is that peer's own error).
+    pub fn is_peer_failure(&self) -> bool {
+        let comm = match self {
+            TrainError::Comm(c) | TrainError::Shard(ShardError::Comm(c)) => c,
+            TrainError::Rank { source, .. } => return source.is_peer_failure(),
+            _ => return false,
+        };
+        matches!(comm, CommError::PeerLost { .. } | CommError::Timeout { .. })
+    }
+}
+
+/// kiln-train's result.
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;
+
+/// `return Err(TrainError::Kind(format!(...)))`.
+macro_rules! fail {
+    ($kind:ident, $($arg:tt)*) => {
+        return Err($crate::TrainError::$kind(format!($($arg)*)))
+    };
+}
+pub(crate) use fail;
+
+/// Names the operation and path of an I/O error.
+pub(crate) trait IoContext<T> {
+    fn io(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn io(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| TrainError::Io {
+            what: what(),
+            source,
+        })
+    }
+}
