@@ -82,6 +82,18 @@ impl CommStats {
     pub fn total_received(&self) -> u64 {
         self.kinds.iter().map(|k| k.bytes_received).sum()
     }
+    /// The traffic of two groups together (e.g. a hybrid layout's shard and replicate groups).
+    pub fn plus(&self, other: &CommStats) -> CommStats {
+        let mut out = CommStats::default();
+        for i in 0..self.kinds.len() {
+            out.kinds[i] = KindStats {
+                calls: self.kinds[i].calls + other.kinds[i].calls,
+                bytes_sent: self.kinds[i].bytes_sent + other.kinds[i].bytes_sent,
+                bytes_received: self.kinds[i].bytes_received + other.kinds[i].bytes_received,
+            };
+        }
+        out
+    }
     /// The traffic between an earlier snapshot and this one.
     pub fn since(&self, earlier: &CommStats) -> CommStats {
         let mut out = CommStats::default();

@@ -10,6 +10,7 @@ use burn::optim::GradientsParams;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use kiln_comm::CommStats;
 use std::marker::PhantomData;
 
 fn held<B: Backend>(t: &ShardTensor<B>) -> usize {
@@ -56,6 +57,23 @@ where
     let mut s = Sum::<B>(0, grads, PhantomData);
     module.visit(&mut s);
     s.0
+}
+
+/// This rank's traffic so far on the groups kiln's sharding uses, or `None` before [`shard`]
+/// was called on this thread: without hybrid sharding, the group passed to [`shard`] (so it
+/// includes the caller's own collectives on that group); under hybrid sharding, the shard and
+/// replicate sub-groups made from it, whose counters the parent group does not see. Take the
+/// difference of two readings ([`CommStats::since`]) for one step's traffic.
+///
+/// [`shard`]: crate::shard()
+pub fn comm_stats<B: Backend>() -> Option<CommStats> {
+    crate::state::try_with_state::<B, _>(|s| {
+        let shard = s.shard_group.stats();
+        match &s.replicate_group {
+            Some(r) => shard.plus(&r.stats()),
+            None => shard,
+        }
+    })
 }
 
 /// Size of a record (e.g. an optimizer's state, `optimizer.to_record()`) as this rank holds it:

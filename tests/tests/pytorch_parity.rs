@@ -2,17 +2,11 @@
 
 use kiln_hf::HfError;
 use kiln_hf::verify::{Quantity, Tolerances, VerifyReport};
-use std::path::PathBuf;
+use kiln_tests::fixture;
 
 // kiln turns on Burn's `distributed` feature, so the training backend is `Autodiff<Kiln<Flex>>`
 // (only forwarding here); `reference/` checks the same against plain `Autodiff<Flex>`.
 type TB = kiln::Train<kiln::Flex>;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../hf/tests/fixtures")
-        .join(name)
-}
 
 fn verify(name: &str) -> VerifyReport {
     kiln_zoo::verify_dir::<TB>(fixture(name), &Tolerances::default(), &Default::default())

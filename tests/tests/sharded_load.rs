@@ -18,7 +18,7 @@ use std::sync::Arc;
 type B = Train<Flex>;
 
 fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/hf/tests/fixtures/tiny-llama")
+    kiln_tests::fixture("tiny-llama")
 }
 
 /// (elements held locally, elements of the whole parameters, every parameter sharded)
