@@ -80,10 +80,12 @@ where
     }
 }
 
-/// Panics if a parameter `shard` registered has a gradient the hook never reduced: training
-/// would silently diverge across ranks. This happens when its mark was lost: loading weights
-/// replaces the parameters (call `remark` after loading), or a second backward before the step
-/// (use `kiln_shard::backward`).
+/// Panics if, on a thread that sharded a model over more than one rank, a parameter has a
+/// gradient the hook never reduced: training would silently diverge across ranks. This happens
+/// when its mark was lost: loading weights replaces the parameters (call `remark` after
+/// loading), or a second backward before the step (use `kiln_shard::backward`). Over one rank
+/// there is nothing to reduce, so a model trained unsharded on a thread that earlier sharded
+/// one at world size 1 (a benchmark's baseline, say) passes.
 fn check_reduced<B, AB, M>(module: &M, grads: &GradientsParams)
 where
     B: Backend,
@@ -108,6 +110,17 @@ where
             }
         }
     }
+    let over_ranks = try_with_state::<B, _>(|s| {
+        s.shard_group.world_size() > 1
+            || s.replicate_group
+                .as_ref()
+                .is_some_and(|r| r.world_size() > 1)
+    })
+    .unwrap_or(false);
+    if !over_ranks {
+        try_with_state::<B, _>(|s| s.synced.clear());
+        return;
+    }
     let mut find = Find::<B> {
         grads,
         missing: Vec::new(),
@@ -120,7 +133,8 @@ where
         "kiln: the gradients of {} parameter(s) were never reduced across ranks (first: {}): their \
          gradient-sync marks were lost. Loading weights replaces parameters: call \
          `kiln_shard::remark(&model)` after loading; for several backward passes per step use \
-         `kiln_shard::backward`",
+         `kiln_shard::backward`; a model not meant to be sharded must train on a thread that \
+         has not sharded one",
         find.missing.len(),
         find.missing[0]
     );

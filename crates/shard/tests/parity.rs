@@ -278,3 +278,17 @@ fn a_gradient_the_hook_never_reduced_is_an_error() {
     assert!(msg.contains("kiln_shard::remark"), "{msg}");
     assert!(run(true).is_ok());
 }
+
+/// A thread that sharded a model at world size 1 (zero-bench's baseline does) can then train an
+/// unsharded one: over one rank there is nothing to reduce, so the optimizer's check passes.
+#[test]
+fn an_unsharded_model_trains_after_a_world_1_shard_on_the_same_thread() {
+    let device = Default::default();
+    let group = LocalGroup::new_world(1, Default::default())
+        .pop()
+        .expect("one rank");
+    let sharded = shard(mlp(), Arc::new(group), ShardConfig::new(Strategy::Zero3)).unwrap();
+    drop(sharded);
+    let run = train(mlp(), None, Strategy::Ddp, Options::default(), &device).unwrap();
+    assert!(run.losses[run.losses.len() - 1] < run.losses[0]);
+}
