@@ -39,5 +39,13 @@ fn comm_bench_runs() {
         env!("CARGO_BIN_EXE_comm-bench"),
         &["--ranks", "2", "--min-size", "1K", "--max-size", "4K"],
     );
-    assert!(text.contains("busbw"), "{text}");
+    // A measured row for each group kind at each size.
+    for row in [
+        "local    2     1K",
+        "local    2     4K",
+        "tcp      2     1K",
+        "tcp      2     4K",
+    ] {
+        assert!(text.contains(row), "no '{row}' row:\n{text}");
+    }
 }

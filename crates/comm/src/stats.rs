@@ -84,24 +84,20 @@ impl CommStats {
     }
     /// The traffic of two groups together (e.g. a hybrid layout's shard and replicate groups).
     pub fn plus(&self, other: &CommStats) -> CommStats {
-        let mut out = CommStats::default();
-        for i in 0..self.kinds.len() {
-            out.kinds[i] = KindStats {
-                calls: self.kinds[i].calls + other.kinds[i].calls,
-                bytes_sent: self.kinds[i].bytes_sent + other.kinds[i].bytes_sent,
-                bytes_received: self.kinds[i].bytes_received + other.kinds[i].bytes_received,
-            };
-        }
-        out
+        self.combine(other, |a, b| a + b)
     }
     /// The traffic between an earlier snapshot and this one.
     pub fn since(&self, earlier: &CommStats) -> CommStats {
+        self.combine(earlier, |a, b| a - b)
+    }
+    /// Every counter of `self` and `other`, kind by kind, through `op`.
+    fn combine(&self, other: &CommStats, op: impl Fn(u64, u64) -> u64) -> CommStats {
         let mut out = CommStats::default();
-        for i in 0..self.kinds.len() {
-            out.kinds[i] = KindStats {
-                calls: self.kinds[i].calls - earlier.kinds[i].calls,
-                bytes_sent: self.kinds[i].bytes_sent - earlier.kinds[i].bytes_sent,
-                bytes_received: self.kinds[i].bytes_received - earlier.kinds[i].bytes_received,
+        for ((o, a), b) in out.kinds.iter_mut().zip(&self.kinds).zip(&other.kinds) {
+            *o = KindStats {
+                calls: op(a.calls, b.calls),
+                bytes_sent: op(a.bytes_sent, b.bytes_sent),
+                bytes_received: op(a.bytes_received, b.bytes_received),
             };
         }
         out

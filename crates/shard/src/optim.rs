@@ -93,41 +93,46 @@ where
     M: AutodiffModule<AB>,
 {
     use burn_backend::distributed::DistributedParamId;
+    use std::collections::HashSet;
+    // One look at this thread's state: whether gradients need reducing at all (over more than
+    // one rank), and which ones the hook reduced since the last step (taken: the next step
+    // starts afresh).
+    let Some((over_ranks, synced)) = try_with_state::<B, _>(|s| {
+        let over_ranks = s.shard_group.world_size() > 1
+            || s.replicate_group
+                .as_ref()
+                .is_some_and(|r| r.world_size() > 1);
+        (over_ranks, std::mem::take(&mut s.synced))
+    }) else {
+        return;
+    };
+    if !over_ranks {
+        return;
+    }
     struct Find<'a, B> {
         grads: &'a GradientsParams,
+        synced: &'a HashSet<DistributedParamId>,
         missing: Vec<String>,
         _b: PhantomData<B>,
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Find<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
-            let did = DistributedParamId::from(p.id.val());
             // Every gradient of a sharded model must have passed the hook, including those of
             // parameters `shard` never saw (a record loaded with its own ids, no `remark`).
-            let unreduced = try_with_state::<B, _>(|s| !s.synced.contains(&did)).unwrap_or(false);
-            if unreduced && self.grads.get::<Shard<B>, D>(p.id).is_some() {
+            let reduced = self.synced.contains(&DistributedParamId::from(p.id.val()));
+            if !reduced && self.grads.get::<Shard<B>, D>(p.id).is_some() {
                 self.missing
                     .push(format!("{} {:?}", p.id, p.lazy_shape().dims::<D>()));
             }
         }
     }
-    let over_ranks = try_with_state::<B, _>(|s| {
-        s.shard_group.world_size() > 1
-            || s.replicate_group
-                .as_ref()
-                .is_some_and(|r| r.world_size() > 1)
-    })
-    .unwrap_or(false);
-    if !over_ranks {
-        try_with_state::<B, _>(|s| s.synced.clear());
-        return;
-    }
     let mut find = Find::<B> {
         grads,
+        synced: &synced,
         missing: Vec::new(),
         _b: PhantomData,
     };
     module.visit(&mut find);
-    try_with_state::<B, _>(|s| s.synced.clear());
     assert!(
         find.missing.is_empty(),
         "kiln: the gradients of {} parameter(s) were never reduced across ranks (first: {}): their \

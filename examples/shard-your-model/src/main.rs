@@ -36,7 +36,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use clap::Parser;
 use kiln::comm::{LaunchEnv, LocalGroup, ProcessGroup, ReduceOp, TcpGroup, spawn_ranks};
 use kiln::shard::account::{comm_stats, param_bytes, record_bytes};
-use kiln::shard::check::{params, rel};
+use kiln::shard::check::{self, Errors, params};
 use kiln::shard::{ShardConfig, ShardedOptimizer, Strategy, gather_model, shard};
 use kiln::{Flex, Train};
 use std::error::Error;
@@ -128,10 +128,12 @@ struct Args {
 
 /// What one run produced.
 struct Run {
-    losses: Vec<f64>,
-    params: Vec<Vec<f32>>,
-    /// This rank's bytes of parameters and of AdamW state, after the last step.
-    held: (usize, usize),
+    /// Losses and final parameters, as kiln's parity harness compares them.
+    trained: check::Run,
+    /// This rank's bytes of parameters after the last step.
+    param_bytes: usize,
+    /// This rank's bytes of AdamW state after the last step.
+    optimizer_bytes: usize,
     /// Bytes this rank sent per step (averaged).
     sent_per_step: u64,
 }
@@ -188,10 +190,8 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
         }
     }
 
-    let held = (
-        param_bytes::<Flex, B, _>(&model),
-        record_bytes::<B, _>(optim.to_record()),
-    );
+    let param_bytes = param_bytes::<Flex, B, _>(&model);
+    let optimizer_bytes = record_bytes::<B, _>(optim.to_record());
     let sent_per_step = match (comm_stats::<Flex>(), before) {
         (Some(now), Some(before)) => now.since(&before).total_sent() / args.steps as u64,
         _ => 0,
@@ -202,9 +202,12 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
         None => model,
     };
     Ok(Run {
-        losses,
-        params: params::<Flex, _>(&model),
-        held,
+        trained: check::Run {
+            losses,
+            params: params::<Flex, _>(&model),
+        },
+        param_bytes,
+        optimizer_bytes,
         sent_per_step,
     })
 }
@@ -216,34 +219,33 @@ fn report(args: &Args, world: usize, single: &Run, sharded: &Run) -> Res<()> {
         "1 device",
         format!("{} x {world}", args.strategy)
     );
-    for (i, (a, b)) in single.losses.iter().zip(&sharded.losses).enumerate() {
+    let (one, many) = (&single.trained.losses, &sharded.trained.losses);
+    for (i, (a, b)) in one.iter().zip(many).enumerate() {
         if i == 0 || (i + 1) % 10 == 0 {
             println!("{:>5}  {a:>12.6}  {b:>12.6}", i + 1);
         }
     }
-    let loss_err = single
-        .losses
-        .iter()
-        .zip(&sharded.losses)
-        .map(|(a, b)| (a - b).abs() / a.abs())
-        .fold(0.0, f64::max);
-    // All parameters as one vector: the attention's key bias gets no gradient (softmax ignores
-    // a shift shared by every key) and only drifts by rounding noise around zero, so a
+    // Parameters are compared as one vector: the attention's key bias gets no gradient (softmax
+    // ignores a shift shared by every key) and only drifts by rounding noise around zero, so a
     // per-tensor relative error would compare noise with noise.
-    let param_err = rel(&sharded.params.concat(), &single.params.concat());
+    let err = Errors::of(&sharded.trained, &single.trained);
     println!(
-        "largest relative difference: losses {loss_err:.2e}, final parameters (all together) {param_err:.2e}"
+        "largest relative difference: losses {:.2e}, final parameters (all together) {:.2e}",
+        err.loss, err.params
     );
     println!(
         "held by rank 0: parameters {} B (1 device: {} B), AdamW state {} B (1 device: {} B); \
          sent {} B per step",
-        sharded.held.0, single.held.0, sharded.held.1, single.held.1, sharded.sent_per_step
+        sharded.param_bytes,
+        single.param_bytes,
+        sharded.optimizer_bytes,
+        single.optimizer_bytes,
+        sharded.sent_per_step
     );
-    let learned = single.losses[0] - single.losses[single.losses.len() - 1];
-    if learned <= 0.0 {
+    if one[one.len() - 1] >= one[0] {
         return Err("the single-device run did not learn: the loss did not fall".into());
     }
-    if loss_err > 1e-4 || param_err > 1e-4 {
+    if err.worst() > 1e-4 {
         return Err(format!(
             "{} x {world} differs from one device beyond 1e-4",
             args.strategy
