@@ -32,7 +32,7 @@ impl ModuleVisitor<B> for Held {
             ShardTensor::Sharded(s) => {
                 self.0 += burn::tensor::TensorMetadata::shape(&s.shard).num_elements();
             }
-            ShardTensor::Local(_) => self.2 = false,
+            _ => self.2 = false,
         }
     }
 }

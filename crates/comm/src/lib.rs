@@ -31,6 +31,7 @@ mod dtype;
 mod env;
 mod error;
 mod group;
+pub mod hash;
 mod local;
 mod mesh;
 #[cfg(feature = "nccl")]

@@ -35,6 +35,7 @@ float_from_data float_random float_zeros float_ones float_full float_empty float
 float_device float_is_require_grad float_sum float_mean float_max float_min embedding_backward
 max_pool1d_with_indices max_pool1d_with_indices_backward max_pool2d_with_indices
 max_pool2d_with_indices_backward deform_conv2d_backward quantize
+float_reshape float_swap_dims float_transpose float_permute float_slice float_expand
 """.split())
 
 FLOAT = "FloatTensor<B>"

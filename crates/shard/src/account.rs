@@ -59,20 +59,25 @@ where
     s.0
 }
 
-/// This rank's traffic so far on the groups kiln's sharding uses, or `None` before [`shard`]
-/// was called on this thread: without hybrid sharding, the group passed to [`shard`] (so it
-/// includes the caller's own collectives on that group); under hybrid sharding, the shard and
-/// replicate sub-groups made from it, whose counters the parent group does not see. Take the
-/// difference of two readings ([`CommStats::since`]) for one step's traffic.
+/// This rank's traffic so far on the groups `module`'s sharding uses, or `None` if it is not
+/// sharded: without hybrid sharding, the group passed to [`shard`] (so it includes the
+/// caller's own collectives on that group); under hybrid sharding, the shard and replicate
+/// sub-groups made from it, whose counters the parent group does not see. Take the difference
+/// of two readings ([`CommStats::since`]) for one step's traffic.
 ///
 /// [`shard`]: crate::shard()
-pub fn comm_stats<B: Backend>() -> Option<CommStats> {
-    crate::state::try_with_state::<B, _>(|s| {
-        let shard = s.shard_group.stats();
-        match &s.replicate_group {
-            Some(r) => shard.plus(&r.stats()),
-            None => shard,
-        }
+pub fn comm_stats<B, AB, M>(module: &M) -> Option<CommStats>
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = crate::Shard<B>>,
+    M: Module<AB>,
+{
+    let models = crate::strategy::Marks::<B>::of::<AB, M>(module).models();
+    let m = models.first()?;
+    let shard = m.shard_group.stats();
+    Some(match &m.replicate_group {
+        Some(r) => shard.plus(&r.stats()),
+        None => shard,
     })
 }
 

@@ -2,8 +2,9 @@
 //!
 //! burn-autodiff calls `submit_gradient_sync` on the backend directly under `Autodiff` the
 //! moment a marked parameter's gradient is final, in the same (graph-determined) order on every
-//! rank, and `submit_sync_collective` when backward ends. Gradients are collected into a bucket
-//! and reduced together once it holds `bucket_bytes`:
+//! rank, and `submit_sync_collective` when backward ends. The parameter's gradient-sync id,
+//! which `shard` made unique to its model, leads to that model's state; gradients are collected
+//! into the model's bucket and reduced together once it holds `bucket_bytes`:
 //! - DDP: all-reduce (average) the concatenation;
 //! - ZeRO-1/2/3: reduce-scatter (average) so that each rank receives the shard of every gradient
 //!   it owns. Each gradient's shards are padded to equal length and laid out rank-major, so one
@@ -11,101 +12,159 @@
 //!   parameter padding). ZeRO-1 flushes once, when backward ends (whole gradients coexist until
 //!   then, as ZeRO-1 defines); ZeRO-2/3 flush whenever a bucket is full;
 //! - hybrid: reduce-scatter within the sharding group, then all-reduce the shards across groups.
+//!
+//! Inside [`no_sync`](crate::no_sync) the hook leaves gradients whole and unreduced.
 
 use crate::ops::policy::{Host, local, read, slice_local, write};
-use crate::state::{PendingGrad, RankState, with_state};
+use crate::state::{ModelState, PendingGrad, model_of};
 use crate::tensor::Sharded;
 use crate::{Shard, ShardTensor};
 use burn_backend::distributed::{DistributedBackend, DistributedParams, TensorRef};
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
 use kiln_comm::{ReduceOp, shard_len, shard_range};
+use std::any::Any;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+thread_local! {
+    /// The models whose parameters take part in the backward pass running on this thread, in
+    /// creation order: flushed, in that order, when it ends.
+    static IN_BACKWARD: RefCell<Vec<(u64, Arc<dyn Any + Send + Sync>)>> = const { RefCell::new(Vec::new()) };
+}
+
+fn model<B: Backend>(params: &DistributedParams) -> Arc<ModelState<B>> {
+    model_of::<B>(params.param_id).unwrap_or_else(|| {
+        panic!(
+            "kiln: a gradient of parameter {:?}, which no sharded model registered: parameters \
+             of a sharded model must be stepped by `kiln_shard::ShardedOptimizer` (a plain Burn \
+             optimizer re-marks them with ids kiln does not know)",
+            params.param_id
+        )
+    })
+}
 
 impl<B: Backend> DistributedBackend for Shard<B> {
-    fn register_sync_parameters(_device: &Self::Device, _params: Vec<DistributedParams>) {
-        // The order comes from the graph traversal, identical on every rank; nothing to fix here.
-        with_state::<B, _>(|s| {
-            assert!(
-                s.bucket.is_empty(),
-                "kiln: a backward pass started before the previous one synchronised its gradients"
-            );
-        });
+    fn register_sync_parameters(_device: &Self::Device, params: Vec<DistributedParams>) {
+        let mut models: Vec<(u64, Arc<dyn Any + Send + Sync>)> = Vec::new();
+        for p in &params {
+            let m = model::<B>(p);
+            if !models.iter().any(|(seq, _)| *seq == m.seq) {
+                assert!(
+                    m.lock().bucket.is_empty(),
+                    "kiln: a backward pass started before the previous one synchronised its \
+                     gradients"
+                );
+                models.push((m.seq, m as Arc<dyn Any + Send + Sync>));
+            }
+        }
+        // The order of `params` comes from a hash map; creation order is the same on every rank.
+        models.sort_by_key(|(seq, _)| *seq);
+        IN_BACKWARD.with(|b| *b.borrow_mut() = models);
     }
 
     fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
-        with_state::<B, _>(|s| {
-            let shape = s.params.get(&params.param_id).cloned().unwrap_or_else(|| {
-                panic!(
-                    "kiln: gradient of parameter {:?}, which `shard` did not register",
-                    params.param_id
-                )
-            });
-            // SAFETY: `tensor.0` points to the gradient in burn-autodiff's container, valid for
-            // the rest of this backward (see `PendingGrad`).
-            let grad = unsafe { &*tensor.0 };
-            assert_eq!(
-                grad.shape(),
-                shape,
-                "kiln: gradient shape differs from its parameter's"
-            );
-            s.bucket_bytes += grad.local_bytes();
-            s.synced.insert(params.param_id);
-            s.bucket.push(PendingGrad {
-                ptr: tensor.0,
-                shape,
-            });
-            if s.config.strategy.reduces_during_backward()
-                && s.bucket_bytes >= s.config.bucket_bytes
-            {
-                flush(s);
-            }
+        let m = model::<B>(&params);
+        let mut d = m.lock();
+        if d.no_sync {
+            return;
+        }
+        let shape = d.params.get(&params.param_id).cloned().unwrap_or_else(|| {
+            panic!(
+                "kiln: gradient of parameter {:?}, which `shard` did not register",
+                params.param_id
+            )
         });
+        // SAFETY: `tensor.0` points to the gradient in burn-autodiff's container, valid for
+        // the rest of this backward (see `PendingGrad`).
+        let grad = unsafe { &*tensor.0 };
+        assert_eq!(
+            grad.shape(),
+            shape,
+            "kiln: gradient shape differs from its parameter's"
+        );
+        d.bucket_bytes += grad.local_bytes();
+        d.synced.insert(params.param_id);
+        d.bucket.push(PendingGrad {
+            ptr: tensor.0,
+            shape,
+        });
+        if m.config.strategy.reduces_during_backward() && d.bucket_bytes >= m.config.bucket_bytes {
+            let bucket = std::mem::take(&mut d.bucket);
+            d.bucket_bytes = 0;
+            drop(d);
+            flush(&m, bucket);
+        }
     }
 
     fn submit_sync_collective(_device: &Self::Device) {
-        with_state::<B, _>(flush);
+        let models = IN_BACKWARD.with(|b| std::mem::take(&mut *b.borrow_mut()));
+        for (_, m) in models {
+            let m = m
+                .downcast::<ModelState<B>>()
+                .expect("registered by this backend's hook");
+            let bucket = {
+                let mut d = m.lock();
+                d.bucket_bytes = 0;
+                std::mem::take(&mut d.bucket)
+            };
+            flush(&m, bucket);
+        }
     }
 }
 
-/// Reduces the bucket and writes the results back into the gradient container.
-fn flush<B: Backend>(s: &mut RankState<B>) {
-    let bucket = std::mem::take(&mut s.bucket);
-    s.bucket_bytes = 0;
+/// Reduces a bucket and writes the results back into the gradient container.
+fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
     if bucket.is_empty() {
         return;
     }
-    if s.shard_group.world_size() == 1 && s.replicate_group.is_none() {
+    // SAFETY: see `PendingGrad`: each pointer is valid and not aliased while we hold it.
+    let grads = bucket
+        .iter()
+        .map(|p| (unsafe { (*p.ptr).clone() }, p.shape.clone()))
+        .collect();
+    for (p, reduced) in bucket.iter().zip(reduce(m, grads)) {
+        // SAFETY: as above.
+        unsafe { *p.ptr = reduced };
+    }
+}
+
+/// Reduces whole gradients (in their order, identical on every rank) as the model's strategy
+/// says: averaged whole tensors for DDP, this rank's averaged shards otherwise.
+pub(crate) fn reduce<B: Backend>(
+    m: &ModelState<B>,
+    grads: Vec<(ShardTensor<B>, Shape)>,
+) -> Vec<ShardTensor<B>> {
+    let group = &m.shard_group;
+    let strategy = m.config.strategy;
+    if group.world_size() == 1 && m.replicate_group.is_none() {
         // Nothing to reduce: the gradients are already whole and final; a ZeRO strategy's
         // "shard" of a one-rank group is the whole tensor, so only the layout changes.
-        if s.config.strategy.shards_optimizer() {
-            for p in &bucket {
-                // SAFETY: see `PendingGrad`.
-                unsafe {
-                    let whole = local((*p.ptr).clone());
-                    *p.ptr = ShardTensor::Sharded(slice_local::<B>(whole, &s.shard_group));
+        return grads
+            .into_iter()
+            .map(|(g, _)| {
+                let whole = local(g);
+                if strategy.shards_optimizer() {
+                    ShardTensor::Sharded(slice_local::<B>(whole, group))
+                } else {
+                    ShardTensor::Local(whole)
                 }
-            }
-        }
-        return;
+            })
+            .collect();
     }
-    // SAFETY: see `PendingGrad`: each pointer is valid and not aliased while we hold it.
-    let grads: Vec<B::FloatTensorPrimitive> = bucket
-        .iter()
-        .map(|p| local(unsafe { (*p.ptr).clone() }))
-        .collect();
-    let device = B::float_device(&grads[0]);
-    let dtype = grads[0].dtype();
-    let hosts: Vec<Host> = grads
+    let shapes: Vec<Shape> = grads.iter().map(|(_, s)| s.clone()).collect();
+    let inner: Vec<B::FloatTensorPrimitive> = grads.into_iter().map(|(g, _)| local(g)).collect();
+    let device = B::float_device(&inner[0]);
+    let dtype = inner[0].dtype();
+    let hosts: Vec<Host> = inner
         .into_iter()
         .map(|g| Host::from_data(read::<B>(g)))
         .collect();
-    let strategy = s.config.strategy;
-    let group = s.shard_group.clone();
     let fail = |what: &str, e: kiln_comm::CommError| -> ! {
         panic!(
             "kiln: rank {} could not {what} a bucket of {} gradients on group '{}': {e}",
             group.rank(),
-            bucket.len(),
+            shapes.len(),
             group.name()
         )
     };
@@ -117,60 +176,64 @@ fn flush<B: Backend>(s: &mut RankState<B>) {
             .all_reduce(flat.buf_mut(), ReduceOp::Avg)
             .unwrap_or_else(|e| fail("all-reduce", e));
         let mut offset = 0;
-        for p in &bucket {
-            let n = p.shape.num_elements();
-            let data = flat.slice(offset, offset + n).into_data(p.shape.clone());
-            offset += n;
-            // SAFETY: see `PendingGrad`.
-            unsafe { *p.ptr = ShardTensor::Local(write::<B>(data, &device, dtype)) };
-        }
-        return;
+        return shapes
+            .iter()
+            .map(|shape| {
+                let n = shape.num_elements();
+                let data = flat.slice(offset, offset + n).into_data(shape.clone());
+                offset += n;
+                ShardTensor::Local(write::<B>(data, &device, dtype))
+            })
+            .collect();
     }
 
     // Reduce-scatter: rank-major layout, each gradient's shards padded to ceil(n / S).
     let (world, rank) = (group.world_size(), group.rank());
-    let padded: Vec<usize> = bucket
+    let padded: Vec<usize> = shapes
         .iter()
-        .map(|p| p.shape.num_elements().div_ceil(world))
+        .map(|s| s.num_elements().div_ceil(world))
         .collect();
     let chunk: usize = padded.iter().sum();
     let mut send = hosts[0].zeros(chunk * world);
     for peer in 0..world {
         let mut offset = peer * chunk;
-        for (h, (p, pad)) in hosts.iter().zip(bucket.iter().zip(&padded)) {
-            let range = shard_range(p.shape.num_elements(), world, peer);
+        for (h, (shape, pad)) in hosts.iter().zip(shapes.iter().zip(&padded)) {
+            let range = shard_range(shape.num_elements(), world, peer);
             send.copy_from(offset, h, range);
             offset += pad;
         }
     }
+    drop(hosts);
     let mut mine = send.zeros(chunk);
     group
         .reduce_scatter(send.buf(), mine.buf_mut(), ReduceOp::Avg)
         .unwrap_or_else(|e| fail("reduce-scatter", e));
-    if let Some(across) = &s.replicate_group {
+    drop(send);
+    if let Some(across) = &m.replicate_group {
         across
             .all_reduce(mine.buf_mut(), ReduceOp::Avg)
             .unwrap_or_else(|e| fail("all-reduce (across replicas)", e));
     }
     let mut offset = 0;
-    for (p, pad) in bucket.iter().zip(&padded) {
-        let len = shard_len(p.shape.num_elements(), world, rank);
-        let shard = write::<B>(
-            mine.slice(offset, offset + len)
-                .into_data(Shape::from(vec![len])),
-            &device,
-            dtype,
-        );
-        offset += pad;
-        // SAFETY: see `PendingGrad`.
-        unsafe {
-            *p.ptr = ShardTensor::Sharded(Sharded {
+    shapes
+        .into_iter()
+        .zip(&padded)
+        .map(|(shape, pad)| {
+            let len = shard_len(shape.num_elements(), world, rank);
+            let shard = write::<B>(
+                mine.slice(offset, offset + len)
+                    .into_data(Shape::from(vec![len])),
+                &device,
+                dtype,
+            );
+            offset += pad;
+            ShardTensor::Sharded(Sharded {
                 shard,
-                shape: p.shape.clone(),
+                shape,
                 group: group.clone(),
             })
-        };
-    }
+        })
+        .collect()
 }
 
 fn cat(parts: &[Host]) -> Host {

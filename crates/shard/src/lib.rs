@@ -30,10 +30,14 @@ mod optim;
 pub mod pieces;
 mod state;
 mod strategy;
+mod sync;
 mod tensor;
 
 pub use backend::Shard;
 pub use optim::{ShardedOptimizer, clip_grad_norm};
-pub use state::{ShardConfig, ShardError, Strategy, local_reads};
-pub use strategy::{backward, gather_model, remark, shard};
-pub use tensor::{ShardTensor, Sharded};
+pub use state::{InitSync, ShardConfig, ShardError, Strategy, local_reads};
+pub use strategy::{
+    backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release, remark,
+    shard,
+};
+pub use tensor::{ShardTensor, Sharded, View, ViewOp};

@@ -1,16 +1,16 @@
 //! The optimizer side: ZeRO-1/2's slice-step-gather, and global gradient-norm clipping.
 
-use crate::ops::policy::{local, slice_local};
-use crate::state::try_with_state;
-use crate::strategy::{gather_model, replace_primitive};
+use crate::ops::policy::{Host, local, read, slice_local, write};
+use crate::state::ModelState;
+use crate::strategy::{Marks, apply_marks, replace_primitive};
 use crate::{Shard, ShardTensor};
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::LearningRate;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
-use burn::prelude::ElementConversion;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use kiln_comm::ProcessGroup;
+use burn_backend::TensorMetadata;
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -48,27 +48,16 @@ where
     type Record = O::Record;
 
     fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
-        check_reduced::<B, AB, M>(&module, &grads);
-        let slice_over = try_with_state::<B, _>(|s| {
-            let st = s.config.strategy;
-            (st.shards_optimizer() && !st.shards_params()).then(|| s.shard_group.clone())
-        })
-        .flatten();
-        match slice_over {
-            Some(group) => {
-                let module = module.map(&mut Slicer::<B> {
-                    group,
-                    _b: PhantomData,
-                });
-                let module = self.inner.step(lr, module, grads);
-                gather_model::<B, AB, M>(module)
-            }
-            None => self.inner.step(lr, module, grads),
-        }
+        let marks = Marks::<B>::of::<AB, M>(&module);
+        check_reduced::<B, AB, M>(&module, &marks, &[&grads]);
+        around_step(module, marks, |m| self.inner.step(lr, m, grads))
     }
 
     fn step_multi(&mut self, lr: LearningRate, module: M, grads: MultiGradientsParams) -> M {
-        self.inner.step_multi(lr, module, grads)
+        let marks = Marks::<B>::of::<AB, M>(&module);
+        let parts: Vec<&GradientsParams> = grads.grads.iter().map(|(g, _)| g).collect();
+        check_reduced::<B, AB, M>(&module, &marks, &parts);
+        around_step(module, marks, |m| self.inner.step_multi(lr, m, grads))
     }
 
     fn to_record(&self) -> Self::Record {
@@ -80,13 +69,49 @@ where
     }
 }
 
-/// Panics if, on a thread that sharded a model over more than one rank, a parameter has a
-/// gradient the hook never reduced: training would silently diverge across ranks. This happens
-/// when its mark was lost: loading weights replaces the parameters (call `remark` after
-/// loading), or a second backward before the step (use `kiln_shard::backward`). Over one rank
-/// there is nothing to reduce, so a model trained unsharded on a thread that earlier sharded
-/// one at world size 1 (a benchmark's baseline, say) passes.
-fn check_reduced<B, AB, M>(module: &M, grads: &GradientsParams)
+/// ZeRO-1/2: slices the replicated trainable parameters before the inner step (so that its
+/// state is slice-sized) and all-gathers them after, in buckets; then re-marks every parameter
+/// with its model's gradient-sync id (Burn's optimizer re-marks with ids of its own).
+fn around_step<B, AB, M>(module: M, marks: Marks<B>, step: impl FnOnce(M) -> M) -> M
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    let sliced: Vec<ParamId> = marks
+        .params
+        .iter()
+        .filter(|(_, _, m)| {
+            let st = m.config.strategy;
+            st.shards_optimizer() && !st.shards_params()
+        })
+        .map(|(p, _, _)| *p)
+        .collect();
+    let module = if sliced.is_empty() {
+        module
+    } else {
+        module.map(&mut Slicer::<B> {
+            marks: &marks,
+            sliced: &sliced,
+        })
+    };
+    let mut module = step(module);
+    for m in marks.models() {
+        let st = m.config.strategy;
+        if st.shards_optimizer() && !st.shards_params() {
+            module = gather_bucketed::<B, AB, M>(module, &marks, &m);
+        }
+    }
+    apply_marks::<B, AB, M>(module, &marks)
+}
+
+/// Panics if, for a model sharded over more than one rank, a parameter has a gradient the hook
+/// never reduced: training would silently diverge across ranks. This happens when its mark was
+/// lost: a second backward before the step without [`remark`](crate::remark) or
+/// [`backward`](crate::backward), or gradients computed under [`no_sync`](crate::no_sync)
+/// without [`reduce_gradients`](crate::reduce_gradients). Over one rank there is nothing to
+/// reduce.
+fn check_reduced<B, AB, M>(module: &M, marks: &Marks<B>, grads: &[&GradientsParams])
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
@@ -94,33 +119,34 @@ where
 {
     use burn_backend::distributed::DistributedParamId;
     use std::collections::HashSet;
-    // One look at this thread's state: whether gradients need reducing at all (over more than
-    // one rank), and which ones the hook reduced since the last step (taken: the next step
+    // Which gradients each model's hook reduced since the last step (taken: the next step
     // starts afresh).
-    let Some((over_ranks, synced)) = try_with_state::<B, _>(|s| {
-        let over_ranks = s.shard_group.world_size() > 1
-            || s.replicate_group
-                .as_ref()
-                .is_some_and(|r| r.world_size() > 1);
-        (over_ranks, std::mem::take(&mut s.synced))
-    }) else {
-        return;
-    };
-    if !over_ranks {
-        return;
-    }
-    struct Find<'a, B> {
-        grads: &'a GradientsParams,
-        synced: &'a HashSet<DistributedParamId>,
+    let synced: Vec<(u64, bool, HashSet<DistributedParamId>)> = marks
+        .models()
+        .iter()
+        .map(|m| (m.seq, m.over_ranks(), std::mem::take(&mut m.lock().synced)))
+        .collect();
+    struct Find<'a, B: Backend> {
+        grads: &'a [&'a GradientsParams],
+        marks: &'a Marks<B>,
+        synced: &'a [(u64, bool, HashSet<DistributedParamId>)],
         missing: Vec<String>,
-        _b: PhantomData<B>,
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Find<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
-            // Every gradient of a sharded model must have passed the hook, including those of
-            // parameters `shard` never saw (a record loaded with its own ids, no `remark`).
-            let reduced = self.synced.contains(&DistributedParamId::from(p.id.val()));
-            if !reduced && self.grads.get::<Shard<B>, D>(p.id).is_some() {
+            let Some((_, mark, m)) = self.marks.get(p.id) else {
+                return;
+            };
+            let (_, over_ranks, synced) = self
+                .synced
+                .iter()
+                .find(|(seq, _, _)| *seq == m.seq)
+                .expect("every model of the marks");
+            let has_grad = self
+                .grads
+                .iter()
+                .any(|g| g.get::<Shard<B>, D>(p.id).is_some());
+            if *over_ranks && has_grad && !synced.contains(mark) {
                 self.missing
                     .push(format!("{} {:?}", p.id, p.lazy_shape().dims::<D>()));
             }
@@ -128,75 +154,248 @@ where
     }
     let mut find = Find::<B> {
         grads,
+        marks,
         synced: &synced,
         missing: Vec::new(),
-        _b: PhantomData,
     };
     module.visit(&mut find);
     assert!(
         find.missing.is_empty(),
         "kiln: the gradients of {} parameter(s) were never reduced across ranks (first: {}): their \
-         gradient-sync marks were lost. Loading weights replaces parameters: call \
-         `kiln_shard::remark(&model)` after loading; for several backward passes per step use \
-         `kiln_shard::backward`; a model not meant to be sharded must train on a thread that \
-         has not sharded one",
+         gradient-sync marks were lost. For several backward passes per step use \
+         `kiln_shard::backward` or call `kiln_shard::remark(&model)` between them; gradients \
+         accumulated under `kiln_shard::no_sync` must go through `kiln_shard::reduce_gradients`",
         find.missing.len(),
         find.missing[0]
     );
 }
 
-struct Slicer<B> {
-    group: Arc<dyn ProcessGroup>,
-    _b: PhantomData<B>,
+struct Slicer<'a, B: Backend> {
+    marks: &'a Marks<B>,
+    sliced: &'a [ParamId],
 }
 
-impl<B, AB> ModuleMapper<AB> for Slicer<B>
+impl<B, AB> ModuleMapper<AB> for Slicer<'_, B>
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
 {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        if !self.sliced.contains(&param.id) {
+            return param;
+        }
+        let (_, _, m) = self
+            .marks
+            .get(param.id)
+            .expect("sliced parameters are marked");
+        let group = m.shard_group.clone();
         let (id, tensor, mapper) = param.consume();
-        let tensor = if tensor.is_distributed() {
-            let group = self.group.clone();
-            replace_primitive::<B, AB, D>(id, tensor, |t| {
-                ShardTensor::Sharded(slice_local::<B>(local(t), &group))
-            })
-        } else {
-            tensor
-        };
+        let tensor = replace_primitive::<B, AB, D>(tensor, |t| {
+            ShardTensor::Sharded(slice_local::<B>(local(t), &group))
+        });
         Param::from_mapped_value(id, tensor, mapper)
     }
+}
+
+/// All-gathers the sliced parameters of model `m` after a ZeRO-1/2 step, a bucket of about
+/// `bucket_bytes` per collective (rank-major, each parameter's shards padded to equal length,
+/// as the gradient reduce-scatter lays them out).
+fn gather_bucketed<B, AB, M>(module: M, marks: &Marks<B>, m: &Arc<ModelState<B>>) -> M
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    // The model's shards, in module order.
+    struct Read<'a, B: Backend> {
+        marks: &'a Marks<B>,
+        model: &'a Arc<ModelState<B>>,
+        shards: Vec<(ParamId, crate::Sharded<B>)>,
+    }
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Read<'_, B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+            let Some((_, _, m)) = self.marks.get(p.id) else {
+                return;
+            };
+            if !Arc::ptr_eq(m, self.model) {
+                return;
+            }
+            if let ShardTensor::Sharded(s) = p.val().inner().into_primitive().tensor() {
+                self.shards.push((p.id, s));
+            }
+        }
+    }
+    let mut r = Read {
+        marks,
+        model: m,
+        shards: Vec::new(),
+    };
+    module.visit(&mut r);
+    let group = &m.shard_group;
+    let world = group.world_size();
+    let mut whole: HashMap<ParamId, B::FloatTensorPrimitive> = HashMap::new();
+    let mut start = 0;
+    while start < r.shards.len() {
+        let mut end = start;
+        let mut bytes = 0;
+        let dtype = r.shards[start].1.shard.dtype();
+        while end < r.shards.len()
+            && r.shards[end].1.shard.dtype() == dtype
+            && (end == start || bytes < m.config.bucket_bytes)
+        {
+            bytes += r.shards[end].1.numel() * dtype.size();
+            end += 1;
+        }
+        let bucket = &r.shards[start..end];
+        let padded: Vec<usize> = bucket
+            .iter()
+            .map(|(_, s)| s.numel().div_ceil(world))
+            .collect();
+        let chunk: usize = padded.iter().sum();
+        let device = B::float_device(&bucket[0].1.shard);
+        let hosts: Vec<Host> = bucket
+            .iter()
+            .map(|(_, s)| Host::from_data(read::<B>(s.shard.clone())))
+            .collect();
+        let mut mine = hosts[0].zeros(chunk);
+        let mut offset = 0;
+        for (h, pad) in hosts.iter().zip(&padded) {
+            mine.copy_from(offset, h, 0..h.len());
+            offset += pad;
+        }
+        let mut all = mine.zeros(chunk * world);
+        group.all_gather(mine.buf(), all.buf_mut()).unwrap_or_else(|e| {
+            panic!(
+                "kiln: rank {} could not all-gather a bucket of {} parameters on group '{}': {e}",
+                group.rank(),
+                bucket.len(),
+                group.name()
+            )
+        });
+        let mut at = 0;
+        for ((id, s), pad) in bucket.iter().zip(&padded) {
+            let numel = s.numel();
+            let mut values = mine.zeros(numel);
+            for peer in 0..world {
+                let range = kiln_comm::shard_range(numel, world, peer);
+                let from = peer * chunk + at;
+                values.copy_from(range.start, &all, from..from + range.len());
+            }
+            at += pad;
+            let data = values.into_data(s.shape.clone());
+            whole.insert(*id, write::<B>(data, &device, dtype));
+        }
+        start = end;
+    }
+    struct Write<B: Backend> {
+        whole: HashMap<ParamId, B::FloatTensorPrimitive>,
+    }
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleMapper<AB> for Write<B> {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<AB, D>>,
+        ) -> Param<Tensor<AB, D>> {
+            match self.whole.remove(&param.id) {
+                Some(w) => {
+                    let (id, tensor, mapper) = param.consume();
+                    let tensor = replace_primitive::<B, AB, D>(tensor, |_| ShardTensor::Local(w));
+                    Param::from_mapped_value(id, tensor, mapper)
+                }
+                None => param,
+            }
+        }
+    }
+    module.map(&mut Write::<B> { whole })
 }
 
 /// Scales the gradients so that their global L2 norm is at most `max_norm` (PyTorch's
 /// `clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, capped at 1) and returns the
 /// norm before clipping.
 ///
-/// The norm is over the whole model: squares of sharded gradients are summed locally and
-/// all-reduced, so every rank computes the same norm as a single device would. Every rank
-/// must call it.
-pub fn clip_grad_norm<AB, M>(
+/// The norm is over the whole model: every gradient's sum of squares is computed where it
+/// lies, read to the host in one transfer, and the sharded gradients' sums all-reduced in one
+/// collective per group (replicated gradients are whole and equal on every rank), so every rank
+/// computes the same norm as a single device would. Every rank must call it.
+pub fn clip_grad_norm<B, AB, M>(
     module: &M,
     mut grads: GradientsParams,
     max_norm: f64,
 ) -> (GradientsParams, f64)
 where
-    AB: AutodiffBackend,
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: AutodiffModule<AB>,
 {
-    struct SumSquares<'a, AB: AutodiffBackend> {
+    use crate::tensor::same_group;
+    use kiln_comm::{ProcessGroup, ReduceOp};
+    /// Sums of squares of whole gradients, and of shards per group.
+    struct SumSquares<'a, B: Backend> {
         grads: &'a GradientsParams,
-        total: f64,
-        _b: PhantomData<AB>,
+        whole: Vec<B::FloatTensorPrimitive>,
+        sharded: Vec<(Arc<dyn ProcessGroup>, Vec<B::FloatTensorPrimitive>)>,
     }
-    impl<AB: AutodiffBackend> ModuleVisitor<AB> for SumSquares<'_, AB> {
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB>
+        for SumSquares<'_, B>
+    {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-            if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-                self.total += g.square().sum().into_scalar().elem::<f64>();
+            let Some(g) = self.grads.get::<Shard<B>, D>(param.id) else {
+                return;
+            };
+            let square_sum = |t: B::FloatTensorPrimitive| B::float_sum(B::float_mul(t.clone(), t));
+            match g.into_primitive().tensor() {
+                ShardTensor::Sharded(s) => {
+                    let part = if s.shard.shape().num_elements() == 0 {
+                        None
+                    } else {
+                        Some(square_sum(s.shard))
+                    };
+                    let at = match self
+                        .sharded
+                        .iter()
+                        .position(|(g, _)| same_group(g, &s.group))
+                    {
+                        Some(at) => at,
+                        None => {
+                            self.sharded.push((s.group.clone(), Vec::new()));
+                            self.sharded.len() - 1
+                        }
+                    };
+                    self.sharded[at].1.extend(part);
+                }
+                t => self.whole.push(square_sum(local(t))),
             }
         }
     }
+    /// One read of many one-element tensors, summed in f64.
+    fn total<B: Backend>(parts: Vec<B::FloatTensorPrimitive>) -> f64 {
+        if parts.is_empty() {
+            return 0.0;
+        }
+        let all = B::float_cat(parts, 0);
+        read::<B>(all).convert::<f64>().iter::<f64>().sum::<f64>()
+    }
+    let mut sum = SumSquares::<B> {
+        grads: &grads,
+        whole: Vec::new(),
+        sharded: Vec::new(),
+    };
+    module.visit(&mut sum);
+    let mut norm_sq = total::<B>(sum.whole);
+    for (group, parts) in sum.sharded {
+        let mut part = [total::<B>(parts) as f32];
+        group
+            .all_reduce((&mut part[..]).into(), ReduceOp::Sum)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "kiln: rank {} could not all-reduce the gradient norm on group '{}': {e}",
+                    group.rank(),
+                    group.name()
+                )
+            });
+        norm_sq += f64::from(part[0]);
+    }
+    let norm = norm_sq.sqrt();
+    let scale = (max_norm / (norm + 1e-6)).min(1.0);
     struct Scale<'a, AB: AutodiffBackend> {
         grads: &'a mut GradientsParams,
         scale: f64,
@@ -209,14 +408,6 @@ where
             }
         }
     }
-    let mut sum = SumSquares::<AB> {
-        grads: &grads,
-        total: 0.0,
-        _b: PhantomData,
-    };
-    module.visit(&mut sum);
-    let norm = sum.total.sqrt();
-    let scale = (max_norm / (norm + 1e-6)).min(1.0);
     if scale < 1.0 {
         module.visit(&mut Scale::<AB> {
             grads: &mut grads,

@@ -9,7 +9,6 @@
 //! which suffices because kiln shards every tensor flat.
 
 use crate::ops::policy::{read, write};
-use crate::state::try_with_state;
 use crate::strategy::replace_primitive;
 use crate::{Shard, ShardTensor, Sharded};
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -31,27 +30,29 @@ pub struct Piece {
 }
 
 /// The element range this rank holds of `t`: everything, or its shard.
+///
+/// # Panics
+/// On a view of a shard (`ShardTensor::View`): parameters and optimizer state are never views.
 pub fn held_range<B: Backend>(t: &ShardTensor<B>) -> Range<usize> {
     match t {
         ShardTensor::Local(t) => 0..t.shape().num_elements(),
         ShardTensor::Sharded(s) => shard_range(s.numel(), s.group.world_size(), s.group.rank()),
+        ShardTensor::View(_) => panic!("kiln: a snapshot piece of a view (not a parameter)"),
     }
 }
 
 /// This rank's piece of `t` (no communication).
 pub fn piece<B: Backend>(t: &ShardTensor<B>) -> Piece {
+    let range = held_range(t);
     let inner = match t {
-        ShardTensor::Local(t) => t.clone(),
         ShardTensor::Sharded(s) => s.shard.clone(),
+        t => crate::ops::policy::local(t.clone()),
     };
     let values = read::<B>(inner)
         .convert::<f32>()
         .into_vec::<f32>()
         .expect("converted to f32");
-    Piece {
-        range: held_range(t),
-        values,
-    }
+    Piece { range, values }
 }
 
 /// A tensor of logical `shape` laid out over `group` (whole when `None`), from this rank's
@@ -91,6 +92,7 @@ pub fn like<B: Backend>(like: &ShardTensor<B>, values: Vec<f32>) -> ShardTensor<
     let (device, dtype, group) = match like {
         ShardTensor::Local(t) => (B::float_device(t), t.dtype(), None),
         ShardTensor::Sharded(s) => (B::float_device(&s.shard), s.shard.dtype(), Some(&s.group)),
+        ShardTensor::View(_) => panic!("kiln: new values for a view (not a parameter)"),
     };
     from_values::<B>(like.shape(), values, group, &device, dtype)
 }
@@ -103,18 +105,6 @@ pub fn primitive<B: Backend, const D: usize>(t: Tensor<Shard<B>, D>) -> ShardTen
 /// A tensor on the decorator from its primitive.
 pub fn tensor<B: Backend, const D: usize>(t: ShardTensor<B>) -> Tensor<Shard<B>, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
-}
-
-/// The group over which this thread's strategy shards optimizer state (ZeRO-1/2/3, hybrid), or
-/// `None` when it is replicated (DDP) or no model was sharded on this thread.
-pub fn optimizer_state_group<B: Backend>() -> Option<Arc<dyn ProcessGroup>> {
-    try_with_state::<B, _>(|s| {
-        s.config
-            .strategy
-            .shards_optimizer()
-            .then(|| s.shard_group.clone())
-    })
-    .flatten()
 }
 
 #[derive(Debug, Default)]
@@ -194,7 +184,7 @@ where
         ) -> Param<Tensor<AB, D>> {
             let (id, tensor, mapper) = param.consume();
             let path = self.path.join();
-            let tensor = replace_primitive::<B, AB, D>(id, tensor, |t| {
+            let tensor = replace_primitive::<B, AB, D>(tensor, |t| {
                 let values = (self.f)(&path, &t);
                 like(&t, values)
             });

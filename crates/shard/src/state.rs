@@ -5,10 +5,11 @@ use burn_backend::Backend;
 use burn_backend::distributed::DistributedParamId;
 use burn_std::Shape;
 use kiln_comm::{CommError, ProcessGroup};
-use std::any::{Any, TypeId};
+use std::any::Any;
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// How parameters, gradients and optimizer state are spread over the data-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,27 +86,53 @@ impl std::str::FromStr for Strategy {
     }
 }
 
+/// How [`shard`](crate::shard()) makes every rank start from the same weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum InitSync {
+    /// Every rank's parameters and buffers become rank 0's (PyTorch DDP's broadcast when it
+    /// wraps a model, FSDP's `sync_module_states`): one bucketed broadcast for replicated
+    /// parameters; under ZeRO-3 and hybrid, rank 0 sends each rank only its shard, so no other
+    /// rank ever holds a whole tensor it did not build itself (the other ranks may build the
+    /// model lazily, e.g. with Burn's lazy initialisers, and never materialise it).
+    #[default]
+    FromRank0,
+    /// The caller guarantees equal weights (every rank loaded one checkpoint, or a seeded
+    /// initialisation such as `kiln train`'s): nothing is sent but a fingerprint per parameter,
+    /// all-gathered, and a parameter that differs is an error naming it and the rank.
+    Verify,
+}
+
 /// What [`shard`](crate::shard()) sets up.
 #[derive(Debug, Clone)]
 pub struct ShardConfig {
     /// The strategy.
     pub strategy: Strategy,
     /// Gradients are reduced in buckets of about this many bytes (PyTorch DDP's default is
-    /// 25 MiB): fewer, larger collectives than one per parameter.
+    /// 25 MiB): fewer, larger collectives than one per parameter. The same size buckets the
+    /// other bulk collectives (initial broadcast, ZeRO-1/2's parameter all-gather).
     pub bucket_bytes: usize,
+    /// How the ranks' initial weights are made equal.
+    pub init: InitSync,
 }
 
 impl ShardConfig {
-    /// `strategy` with the default bucket size.
+    /// `strategy` with the default bucket size, weights synchronised from rank 0.
     pub fn new(strategy: Strategy) -> Self {
         ShardConfig {
             strategy,
             bucket_bytes: 25 << 20,
+            init: InitSync::FromRank0,
         }
     }
     /// Another bucket size.
     pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = bytes.max(1);
+        self
+    }
+    /// Another way of making initial weights equal.
+    pub fn with_init(mut self, init: InitSync) -> Self {
+        self.init = init;
         self
     }
 }
@@ -134,27 +161,119 @@ pub(crate) struct PendingGrad<B: Backend> {
     pub shape: Shape,
 }
 
-/// One rank's sharding state (per backend type, per thread: ranks are threads or processes).
-pub(crate) struct RankState<B: Backend> {
+// SAFETY: a pending gradient is created and consumed by the one thread running a backward pass
+// (burn-autodiff calls the hook on it); the state that holds it is behind a mutex only so that
+// the model can move between threads *between* backward passes.
+unsafe impl<B: Backend> Send for PendingGrad<B> {}
+
+/// What a sharded model's state changes while it trains.
+#[derive(Default)]
+pub(crate) struct Dynamic<B: Backend> {
+    /// The logical shape of every trainable parameter, by the gradient-sync id kiln gave it.
+    pub params: HashMap<DistributedParamId, Shape>,
+    /// The gradient-sync id of each parameter, by Burn's `ParamId` (to re-mark after a step).
+    pub by_param: HashMap<u64, DistributedParamId>,
+    pub bucket: Vec<PendingGrad<B>>,
+    pub bucket_bytes: usize,
+    /// Parameters whose gradient was reduced since the last optimizer step.
+    pub synced: HashSet<DistributedParamId>,
+    /// Inside [`no_sync`](crate::no_sync): the hook leaves gradients unreduced.
+    pub no_sync: bool,
+}
+
+/// One sharded model's state on this rank: its groups, configuration and the parameters the
+/// gradient hook reduces. Found from a parameter's gradient-sync id, which `shard` makes unique
+/// to the model (so several sharded models coexist on a thread, and a model can move between
+/// threads: nothing is kept per thread).
+pub(crate) struct ModelState<B: Backend> {
+    /// Creation order on this rank: models are flushed in this order at the end of a backward
+    /// that involves several, identically on every rank.
+    pub seq: u64,
     pub shard_group: Arc<dyn ProcessGroup>,
     pub replicate_group: Option<Arc<dyn ProcessGroup>>,
     pub config: ShardConfig,
-    pub params: HashMap<DistributedParamId, Shape>,
-    pub bucket: Vec<PendingGrad<B>>,
-    pub bucket_bytes: usize,
-    /// Parameters whose gradient the hook reduced since the last optimizer step.
-    pub synced: std::collections::HashSet<DistributedParamId>,
+    pub dynamic: Mutex<Dynamic<B>>,
+}
+
+impl<B: Backend> ModelState<B> {
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Dynamic<B>> {
+        self.dynamic
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether gradients must be reduced at all (more than one rank).
+    pub fn over_ranks(&self) -> bool {
+        self.shard_group.world_size() > 1
+            || self
+                .replicate_group
+                .as_ref()
+                .is_some_and(|r| r.world_size() > 1)
+    }
+
+    /// A fresh gradient-sync id for a parameter of this model, registered.
+    pub fn register(self: &Arc<Self>, param: u64, shape: Shape) -> DistributedParamId {
+        let id = fresh_id();
+        {
+            let mut d = self.lock();
+            d.params.insert(id, shape);
+            d.by_param.insert(param, id);
+        }
+        registry().insert(id, self.clone() as Arc<dyn Any + Send + Sync>);
+        id
+    }
+}
+
+type Registry = HashMap<DistributedParamId, Arc<dyn Any + Send + Sync>>;
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    static REGISTRY: std::sync::LazyLock<Mutex<Registry>> =
+        std::sync::LazyLock::new(Default::default);
+    REGISTRY
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Gradient-sync ids kiln hands out: unique in the process, never a Burn `ParamId` value (those
+/// are random 64-bit numbers; these count down from the top, so a collision would need 2^63
+/// parameters or an astronomically unlucky draw).
+fn fresh_id() -> DistributedParamId {
+    static NEXT: AtomicU64 = AtomicU64::new(u64::MAX);
+    DistributedParamId::from(NEXT.fetch_sub(1, Ordering::Relaxed))
+}
+
+/// The next model's creation order number.
+pub(crate) fn next_seq() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The model a gradient-sync id belongs to, if `shard` gave it out.
+pub(crate) fn model_of<B: Backend>(id: DistributedParamId) -> Option<Arc<ModelState<B>>> {
+    let any = registry().get(&id)?.clone();
+    Some(
+        any.downcast::<ModelState<B>>()
+            .unwrap_or_else(|_| panic!("kiln: parameter {id:?} was sharded on another backend")),
+    )
+}
+
+/// Forgets a model's parameters (see [`release`](crate::release)).
+pub(crate) fn unregister(ids: &[DistributedParamId]) {
+    let mut r = registry();
+    for id in ids {
+        r.remove(id);
+    }
 }
 
 thread_local! {
-    static STATES: RefCell<HashMap<TypeId, Box<dyn Any>>> = RefCell::new(HashMap::new());
     static LOCAL_READS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static SHARDED_CREATION: RefCell<Option<Creation>> = const { RefCell::new(None) };
 }
 
 /// While a lazily initialised parameter is created under ZeRO-3: creation ops make only this
-/// rank's shard, random ones from a generator seeded by (seed, rank) so that ranks draw
-/// different values.
+/// rank's shard, random ones from a generator seeded by (seed, shard rank): shards differ, and
+/// `shard` derives the seed from the job and the parameter's path, so replicas (hybrid) draw
+/// alike.
 pub(crate) struct Creation {
     pub group: Arc<dyn ProcessGroup>,
     pub rng: rand::rngs::StdRng,
@@ -201,28 +320,4 @@ pub fn local_reads<R>(f: impl FnOnce() -> R) -> R {
 
 pub(crate) fn reading_locally() -> bool {
     LOCAL_READS.with(std::cell::Cell::get)
-}
-
-pub(crate) fn install<B: Backend>(state: RankState<B>) {
-    STATES.with(|s| {
-        s.borrow_mut().insert(TypeId::of::<B>(), Box::new(state));
-    });
-}
-
-/// Runs `f` on this thread's state, or returns `None` if `shard` was never called here.
-pub(crate) fn try_with_state<B: Backend, R>(f: impl FnOnce(&mut RankState<B>) -> R) -> Option<R> {
-    STATES.with(|s| {
-        let mut map = s.borrow_mut();
-        map.get_mut(&TypeId::of::<B>())
-            .map(|st| f(st.downcast_mut::<RankState<B>>().expect("keyed by type")))
-    })
-}
-
-pub(crate) fn with_state<B: Backend, R>(f: impl FnOnce(&mut RankState<B>) -> R) -> R {
-    try_with_state(f).unwrap_or_else(|| {
-        panic!(
-            "kiln: a parameter is marked for gradient synchronisation but `kiln_shard::shard` was \
-             not called on this thread (each rank's thread must shard its own model)"
-        )
-    })
 }

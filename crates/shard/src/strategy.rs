@@ -1,27 +1,43 @@
-//! `shard`: puts a model under a strategy; `gather_model`: the whole model back.
+//! `shard`: puts a model under a strategy; `gather_model`: the whole model back; the model's
+//! gradient-sync marks (`remark`, `backward`, `no_sync`, `reduce_gradients`, `release`).
 
+use crate::hook::reduce;
 use crate::ops::policy::{local, slice_local};
-use crate::state::{RankState, ShardConfig, ShardError, install, with_sharded_creation};
+use crate::state::{
+    Dynamic, InitSync, ModelState, ShardConfig, ShardError, model_of, next_seq, unregister,
+    with_sharded_creation,
+};
+use crate::sync::{self, Path, Scatter};
 use crate::{Shard, ShardTensor, Strategy};
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_backend::distributed::DistributedParamId;
-use kiln_comm::{DeviceMesh, MeshShape, ProcessGroup, ReduceOp};
-use std::collections::HashMap;
-use std::sync::Arc;
+use burn_std::Shape;
+use kiln_comm::{DeviceMesh, MeshShape, ProcessGroup};
+use std::sync::{Arc, Mutex};
 
 /// Puts `module` under `config.strategy` over the data-parallel `group`: every rank calls it
-/// with its own copy of the same model (same architecture; same weights, e.g. loaded from one
-/// checkpoint or broadcast).
+/// with its own copy of the same architecture.
 ///
-/// Trainable parameters are marked so that their gradients are reduced during backward; under
-/// ZeRO-3 and hybrid they are also replaced by this rank's shard. Call it on each rank's thread
-/// (the gradient hook finds its state there).
+/// - Weights: by default every rank's parameters and buffers become rank 0's
+///   ([`InitSync::FromRank0`]), so a model initialised with Burn's random initialisers trains
+///   like one model; [`InitSync::Verify`] trusts the caller and checks a fingerprint instead.
+///   Parameters not initialised yet (Burn's lazy initialisers) are created sharded under
+///   ZeRO-3 and hybrid: the whole tensor never exists, and replicas draw the same shards.
+/// - Trainable parameters are marked so that their gradients are reduced during backward,
+///   with ids unique to this model: several sharded models live side by side on one thread (a
+///   frozen teacher and a student, an EMA copy, a GAN's two networks), and a model may move to
+///   another thread. Under ZeRO-3 and hybrid they are replaced by this rank's shard.
+/// - Weights loaded later (records, Hugging Face files, burn-store) keep the marks, and are
+///   sharded tensor by tensor as they arrive under ZeRO-3 (this replaces a load mapper the
+///   model may have set).
 ///
 /// # Errors
 /// A hybrid shard size that does not divide the world size; ranks whose models differ in their
-/// parameters' number or shapes; a failing collective.
+/// parameters' number or shapes; under [`InitSync::Verify`], a parameter whose values differ
+/// between ranks (named); a failing collective.
 pub fn shard<B, AB, M>(
     module: M,
     group: Arc<dyn ProcessGroup>,
@@ -53,23 +69,51 @@ where
         }
         _ => (group.clone(), None),
     };
-    check_consistent(&module, group.as_ref())?;
-    let mut mapper = Sharder::<B> {
-        _b: std::marker::PhantomData,
-        group: shard_group.clone(),
-        shard_params: config.strategy.shards_params(),
-        params: HashMap::new(),
+    sync::check_shapes(&module, group.as_ref())?;
+    let seed = sync::job_seed(group.as_ref())?;
+    let over_ranks = group.world_size() > 1;
+    let shard_params = config.strategy.shards_params();
+    if config.init == InitSync::Verify && over_ranks {
+        sync::verify_equal::<B, AB, M>(&module, group.as_ref())?;
+    }
+    let scatter = if config.init == InitSync::FromRank0 && over_ranks && shard_params {
+        Some(Scatter::new::<AB, M>(
+            &module,
+            group.clone(),
+            shard_group.world_size(),
+        )?)
+    } else {
+        None
     };
-    let module = module.map(&mut mapper);
-    install::<B>(RankState {
-        shard_group,
+    let bucket_bytes = config.bucket_bytes;
+    let init = config.init;
+    let state = Arc::new(ModelState {
+        seq: next_seq(),
+        shard_group: shard_group.clone(),
         replicate_group,
         config,
-        params: mapper.params,
-        bucket: Vec::new(),
-        bucket_bytes: 0,
-        synced: Default::default(),
+        dynamic: Mutex::new(Dynamic::default()),
     });
+    let mut mapper = Sharder::<B> {
+        state,
+        path: Path::default(),
+        seed,
+        scatter,
+        shard_params,
+    };
+    let mut module = module.map(&mut mapper);
+    if let Some(scatter) = mapper.scatter {
+        scatter.finish()?;
+    }
+    if init == InitSync::FromRank0 && over_ranks {
+        // Replicated float parameters, and every int or bool buffer (never sharded).
+        module = sync::broadcast_from_rank0::<B, AB, M>(
+            module,
+            group.as_ref(),
+            bucket_bytes,
+            !shard_params,
+        )?;
+    }
     Ok(module)
 }
 
@@ -84,10 +128,19 @@ where
     module.map(&mut Gatherer::<B>(std::marker::PhantomData))
 }
 
+/// The gradient-sync id a parameter tensor is marked with, if any.
+pub(crate) fn mark_of<AB: AutodiffBackend, const D: usize>(
+    t: &Tensor<AB, D>,
+) -> Option<DistributedParamId> {
+    match t.clone().into_primitive() {
+        TensorPrimitive::Float(p) => AB::distributed_params(&p).map(|p| p.param_id),
+        TensorPrimitive::QFloat(_) => None,
+    }
+}
+
 /// Replaces a parameter's inner primitive, keeping it a leaf with its `require_grad` and
 /// gradient-sync mark.
 pub(crate) fn replace_primitive<B, AB, const D: usize>(
-    id: ParamId,
     tensor: Tensor<AB, D>,
     f: impl FnOnce(ShardTensor<B>) -> ShardTensor<B>,
 ) -> Tensor<AB, D>
@@ -96,24 +149,25 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
 {
     let require_grad = tensor.is_require_grad();
-    let distributed = tensor.is_distributed();
+    let mark = mark_of(&tensor);
     let inner = tensor.inner().into_primitive().tensor();
     let inner = Tensor::<Shard<B>, D>::from_primitive(TensorPrimitive::Float(f(inner)));
     let mut out = Tensor::<AB, D>::from_inner(inner);
     if require_grad {
         out = out.require_grad();
     }
-    if distributed {
-        out = out.set_distributed(DistributedParamId::from(id.val()));
+    if let Some(mark) = mark {
+        out = out.set_distributed(mark);
     }
     out
 }
 
 struct Sharder<B: Backend> {
-    _b: std::marker::PhantomData<B>,
-    group: Arc<dyn ProcessGroup>,
+    state: Arc<ModelState<B>>,
+    path: Path,
+    seed: u64,
+    scatter: Option<Scatter>,
     shard_params: bool,
-    params: HashMap<DistributedParamId, burn_std::Shape>,
 }
 
 impl<B, AB> ModuleMapper<AB> for Sharder<B>
@@ -121,54 +175,63 @@ where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
 {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
-        let group = self.group.clone();
+        let group = self.state.shard_group.clone();
         let shard_params = self.shard_params;
+        let path = self.path.join();
         // A parameter not initialised yet is created sharded: its initialiser runs with the
-        // creation ops making only this rank's shard, so the whole tensor never exists.
-        let (id, tensor, mapper) = if shard_params && !param.is_initialized() {
-            let seed = param.id.val();
+        // creation ops making only this rank's shard, so the whole tensor never exists. The
+        // draws are seeded by (job seed, path, shard rank): shards differ, replicas agree.
+        let seed = self.seed ^ kiln_comm::hash::fnv1a(path.as_bytes());
+        let lazy = !param.is_initialized();
+        let create_sharded = |param: Param<Tensor<AB, D>>| {
             with_sharded_creation(group.clone(), seed, || param.consume())
-        } else {
-            param.consume()
+        };
+        let (id, tensor, mapper) = match &mut self.scatter {
+            Some(scatter) => scatter.param::<B, AB, D>(param, &path, lazy, &group, create_sharded),
+            None if shard_params && lazy => create_sharded(param),
+            None => param.consume(),
         };
         let trainable = tensor.is_require_grad();
-        let shape = burn_std::Shape::from(tensor.dims().to_vec());
-        let mut tensor = replace_primitive::<B, AB, D>(id, tensor, |t| match t {
+        let shape = Shape::from(tensor.dims().to_vec());
+        let mut tensor = replace_primitive::<B, AB, D>(tensor, |t| match t {
             ShardTensor::Sharded(s) if shard_params && s.group.name() == group.name() => {
                 ShardTensor::Sharded(s)
             }
             t if shard_params => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
             t => ShardTensor::Local(local(t)),
         });
-        if trainable {
-            let did = DistributedParamId::from(id.val());
-            self.params.insert(did, shape);
-            tensor = tensor.set_distributed(did);
+        let mark = trainable.then(|| self.state.register(id.val(), shape));
+        if let Some(mark) = mark {
+            tensor = tensor.set_distributed(mark);
         }
-        let param = Param::from_mapped_value(id, tensor, mapper);
-        if !shard_params {
-            return param;
-        }
-        // Weights loaded later (Hugging Face files, records, burn-store) are sharded tensor by
-        // tensor as they arrive, so a sharded model is never whole while loading. (This
-        // replaces a load mapper the model may have set.) Loading replaces the tensors and
-        // their gradient marks: call `remark` after it.
-        param.load_mapper(move |t: Tensor<AB, D>| {
+        // Weights loaded later (Hugging Face files, records, burn-store) keep this
+        // parameter's gradient-sync mark, and under ZeRO-3 are sharded tensor by tensor as
+        // they arrive, so a sharded model is never whole while loading.
+        Param::from_mapped_value(id, tensor, mapper).load_mapper(move |t: Tensor<AB, D>| {
             let require_grad = t.is_require_grad();
             let inner = t.inner().into_primitive().tensor();
-            let sharded = match inner {
-                ShardTensor::Sharded(s) => ShardTensor::Sharded(s),
-                t => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
+            let inner = match inner {
+                ShardTensor::Sharded(s) if shard_params => ShardTensor::Sharded(s),
+                t if shard_params => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
+                t => ShardTensor::Local(local(t)),
             };
-            let out = Tensor::<AB, D>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(
-                sharded,
-            )));
+            let mut out =
+                Tensor::<AB, D>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(inner)));
             if require_grad {
-                out.require_grad()
-            } else {
-                out
+                out = out.require_grad();
             }
+            if let Some(mark) = mark {
+                out = out.set_distributed(mark);
+            }
+            out
         })
     }
 }
@@ -182,55 +245,110 @@ where
 {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
         let (id, tensor, mapper) = param.consume();
-        let tensor = replace_primitive::<B, AB, D>(id, tensor, |t| ShardTensor::Local(local(t)));
+        let tensor = replace_primitive::<B, AB, D>(tensor, |t| ShardTensor::Local(local(t)));
         Param::from_mapped_value(id, tensor, mapper)
     }
 }
 
-/// Every rank must hold the same parameters (count and shapes, in order): compared through a
-/// fingerprint all-reduced with max and min.
-fn check_consistent<AB: AutodiffBackend, M: Module<AB>>(
-    module: &M,
-    group: &dyn ProcessGroup,
-) -> Result<(), ShardError> {
-    struct Fingerprint {
-        count: i64,
-        hash: u64,
-    }
-    impl<AB: Backend> ModuleVisitor<AB> for Fingerprint {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-            self.count += 1;
-            // `lazy_shape` does not run a lazy initialiser (that happens sharded, later).
-            for d in param.lazy_shape().dims::<D>() {
-                self.hash = (self.hash ^ d as u64).wrapping_mul(0x0100_0000_01b3);
+/// The sharded models `module`'s parameters belong to, with each parameter's gradient-sync id:
+/// found from the parameters' marks (a parameter that lost its mark, e.g. replaced by a
+/// user's own mapper, is found through its `ParamId` in the model of the others).
+pub(crate) struct Marks<B: Backend> {
+    /// `(ParamId, gradient-sync id, model)` of every trainable parameter of a sharded model.
+    pub params: Vec<(ParamId, DistributedParamId, Arc<ModelState<B>>)>,
+}
+
+impl<B: Backend> Marks<B> {
+    pub fn of<AB, M>(module: &M) -> Self
+    where
+        AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        M: Module<AB>,
+    {
+        type Found<B> = (
+            ParamId,
+            Option<(DistributedParamId, Arc<ModelState<B>>)>,
+            Option<Shape>,
+        );
+        struct Find<B: Backend> {
+            found: Vec<Found<B>>,
+        }
+        impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Find<B> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+                if !p.is_initialized() {
+                    return self.found.push((p.id, None, None));
+                }
+                let t = p.val();
+                let known = mark_of(&t).and_then(|id| model_of::<B>(id).map(|m| (id, m)));
+                let trainable = t.is_require_grad().then(|| Shape::from(t.dims().to_vec()));
+                self.found.push((p.id, known, trainable));
             }
-            self.hash = (self.hash ^ 0xff).wrapping_mul(0x0100_0000_01b3);
+        }
+        let mut find = Find::<B> { found: Vec::new() };
+        module.visit(&mut find);
+        let fallback = find
+            .found
+            .iter()
+            .find_map(|(_, k, _)| k.as_ref().map(|(_, m)| m.clone()));
+        let params = find
+            .found
+            .into_iter()
+            .filter_map(|(pid, known, trainable)| match (known, trainable) {
+                (Some((id, m)), _) => Some((pid, id, m)),
+                (None, Some(shape)) => {
+                    let m = fallback.clone()?;
+                    let id = m.lock().by_param.get(&pid.val()).copied();
+                    // Loading a record gives parameters the record's ids, which `shard` never
+                    // saw: registered here, so that the gradient is reduced too.
+                    let id = id.unwrap_or_else(|| m.register(pid.val(), shape));
+                    Some((pid, id, m))
+                }
+                (None, None) => None,
+            })
+            .collect();
+        Marks { params }
+    }
+
+    /// The distinct models, in creation order.
+    pub fn models(&self) -> Vec<Arc<ModelState<B>>> {
+        let mut models: Vec<Arc<ModelState<B>>> = Vec::new();
+        for (_, _, m) in &self.params {
+            if !models.iter().any(|k| Arc::ptr_eq(k, m)) {
+                models.push(m.clone());
+            }
+        }
+        models.sort_by_key(|m| m.seq);
+        models
+    }
+
+    pub fn get(&self, id: ParamId) -> Option<&(ParamId, DistributedParamId, Arc<ModelState<B>>)> {
+        self.params.iter().find(|(p, _, _)| *p == id)
+    }
+}
+
+/// Marks every parameter of `module` with the gradient-sync id in `marks` (after Burn's
+/// optimizer re-marked them with ids of its own, or after a backward pass consumed the marks).
+pub(crate) fn apply_marks<B, AB, M>(module: M, marks: &Marks<B>) -> M
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: Module<AB>,
+{
+    struct Mark<'a, B: Backend>(&'a Marks<B>);
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleMapper<AB> for Mark<'_, B> {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<AB, D>>,
+        ) -> Param<Tensor<AB, D>> {
+            match self.0.get(param.id) {
+                Some((_, mark, _)) => {
+                    let (id, tensor, mapper) = param.consume();
+                    Param::from_mapped_value(id, tensor.set_distributed(*mark), mapper)
+                }
+                None => param,
+            }
         }
     }
-    let mut fp = Fingerprint {
-        count: 0,
-        hash: 0xcbf2_9ce4_8422_2325,
-    };
-    module.visit(&mut fp);
-    let mine = [fp.count, fp.hash as i64];
-    let mut max = mine;
-    let mut min = mine;
-    group.all_reduce((&mut max[..]).into(), ReduceOp::Max)?;
-    group.all_reduce((&mut min[..]).into(), ReduceOp::Min)?;
-    if max != min {
-        return Err(ShardError::Inconsistent(format!(
-            "rank {} has {} parameters (shape fingerprint {:016x}), but across the group '{}' \
-             the parameter count ranges over {}..={} and the fingerprints differ: every rank \
-             must build the same model",
-            group.rank(),
-            fp.count,
-            fp.hash,
-            group.name(),
-            min[0],
-            max[0]
-        )));
-    }
-    Ok(())
+    module.map(&mut Mark(marks))
 }
 
 /// `loss.backward()` followed by `GradientsParams::from_grads`, leaving the model ready for
@@ -239,45 +357,189 @@ fn check_consistent<AB: AutodiffBackend, M: Module<AB>>(
 /// burn-autodiff consumes a parameter's "reduce my gradient" mark with the backward that uses
 /// it; the optimizer step re-marks, but a second micro-batch before the step would otherwise
 /// run unmarked and its gradients would never be reduced. This re-marks every trainable
-/// parameter (the mark is keyed by the parameter's graph node, so marking a clone suffices).
-pub fn backward<B, AB, M>(loss: Tensor<AB, 1>, module: &M) -> burn::optim::GradientsParams
+/// parameter. To reduce only once for all micro-batches, see [`no_sync`].
+pub fn backward<B, AB, M>(loss: Tensor<AB, 1>, module: &M) -> GradientsParams
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
-    M: burn::module::AutodiffModule<AB>,
+    M: AutodiffModule<AB>,
 {
-    let grads = burn::optim::GradientsParams::from_grads(loss.backward(), module);
+    let grads = GradientsParams::from_grads(loss.backward(), module);
     remark::<B, AB, M>(module);
     grads
 }
 
-/// Marks every trainable parameter of a sharded model again for gradient reduction.
-/// Call it after a backward pass that is followed by another before the optimizer step (see
-/// [`backward`]) and after loading weights into a sharded model (loading replaces the
-/// parameters' tensors, and with them the marks).
+/// Marks every trainable parameter of a sharded model again for gradient reduction: after a
+/// backward pass that is followed by another before the optimizer step (see [`backward`]).
+/// (The mark is keyed by the parameter's graph node, so marking a clone suffices.)
 pub fn remark<B, AB, M>(module: &M)
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
-    M: burn::module::AutodiffModule<AB>,
+    M: Module<AB>,
 {
-    struct Remark<B>(std::marker::PhantomData<B>);
-    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Remark<B> {
+    struct Remark<'a, B: Backend>(&'a Marks<B>);
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Remark<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-            let did = DistributedParamId::from(param.id.val());
-            let tensor = param.val();
-            // Loading a record gives parameters the record's ids, which `shard` may never have
-            // seen: a trainable parameter of a sharded model is registered here, so that its
-            // gradient is reduced like every other.
-            let shape = burn_std::Shape::from(tensor.dims().to_vec());
-            let sharded = crate::state::try_with_state::<B, _>(|s| {
-                s.params.entry(did).or_insert(shape);
-            })
-            .is_some();
-            if tensor.is_distributed() || (sharded && tensor.is_require_grad()) {
-                let _ = tensor.set_distributed(did);
+            if let Some((_, mark, _)) = self.0.get(param.id) {
+                let _ = param.val().set_distributed(*mark);
             }
         }
     }
-    module.visit(&mut Remark::<B>(std::marker::PhantomData));
+    let marks = Marks::<B>::of::<AB, M>(module);
+    module.visit(&mut Remark(&marks));
+}
+
+/// Runs `f` (forward and backward passes) without reducing gradients: they stay whole and
+/// local, as in PyTorch DDP's `no_sync()` and FSDP2's `set_requires_gradient_sync(False)`.
+/// Accumulate the micro-batches' gradients as usual and reduce the sum once with
+/// [`reduce_gradients`] before the optimizer step: with k micro-batches, 1/k of the traffic.
+///
+/// What it costs: under ZeRO-2/3 the unreduced gradients are whole tensors until
+/// `reduce_gradients` (the memory of DDP's gradients, not ZeRO's shards); ZeRO-3 still
+/// gathers parameters on use in every micro-batch.
+///
+/// Call [`remark`] (or use [`backward`]) between micro-batches, as for any accumulation.
+pub fn no_sync<B, AB, M, R>(module: &M, f: impl FnOnce() -> R) -> R
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: Module<AB>,
+{
+    let models = Marks::<B>::of::<AB, M>(module).models();
+    struct Restore<B: Backend>(Vec<Arc<ModelState<B>>>);
+    impl<B: Backend> Drop for Restore<B> {
+        fn drop(&mut self) {
+            for m in &self.0 {
+                m.lock().no_sync = false;
+            }
+        }
+    }
+    for m in &models {
+        m.lock().no_sync = true;
+    }
+    let _restore = Restore(models);
+    f()
+}
+
+/// Reduces gradients accumulated under [`no_sync`], in buckets, as the hook would have: all-
+/// reduced (DDP) or reduce-scattered to this rank's shards (ZeRO). A collective: every rank
+/// calls it with its own gradients of the same model.
+pub fn reduce_gradients<B, AB, M>(module: &M, mut grads: GradientsParams) -> GradientsParams
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    let marks = Marks::<B>::of::<AB, M>(module);
+    for m in marks.models() {
+        // Module order: the same on every rank.
+        struct Take<'a, B: Backend> {
+            grads: &'a mut GradientsParams,
+            marks: &'a Marks<B>,
+            model: &'a Arc<ModelState<B>>,
+            taken: Vec<(ParamId, usize, DistributedParamId, ShardTensor<B>)>,
+        }
+        impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Take<'_, B> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+                let Some((_, mark, m)) = self.marks.get(p.id) else {
+                    return;
+                };
+                if !Arc::ptr_eq(m, self.model) {
+                    return;
+                }
+                if let Some(g) = self.grads.remove::<Shard<B>, D>(p.id) {
+                    self.taken
+                        .push((p.id, D, *mark, g.into_primitive().tensor()));
+                }
+            }
+        }
+        let mut take = Take {
+            grads: &mut grads,
+            marks: &marks,
+            model: &m,
+            taken: Vec::new(),
+        };
+        module.visit(&mut take);
+        let taken = take.taken;
+        let mut start = 0;
+        while start < taken.len() {
+            let mut end = start;
+            let mut bytes = 0;
+            while end < taken.len() && (end == start || bytes < m.config.bucket_bytes) {
+                bytes += taken[end].3.local_bytes();
+                end += 1;
+            }
+            let bucket: Vec<(ShardTensor<B>, burn_std::Shape)> = taken[start..end]
+                .iter()
+                .map(|(_, _, _, g)| {
+                    let shape = burn_backend::TensorMetadata::shape(g);
+                    (g.clone(), shape)
+                })
+                .collect();
+            let reduced = reduce(&m, bucket);
+            let mut d = m.lock();
+            for ((pid, dims, mark, _), g) in taken[start..end].iter().zip(reduced) {
+                d.synced.insert(*mark);
+                register_grad::<B>(&mut grads, *pid, *dims, g);
+            }
+            start = end;
+        }
+    }
+    grads
+}
+
+fn register_grad<B: Backend>(
+    grads: &mut GradientsParams,
+    id: ParamId,
+    dims: usize,
+    g: ShardTensor<B>,
+) {
+    fn reg<B: Backend, const D: usize>(
+        grads: &mut GradientsParams,
+        id: ParamId,
+        g: ShardTensor<B>,
+    ) {
+        grads.register::<Shard<B>, D>(id, Tensor::from_primitive(TensorPrimitive::Float(g)));
+    }
+    match dims {
+        1 => reg::<B, 1>(grads, id, g),
+        2 => reg::<B, 2>(grads, id, g),
+        3 => reg::<B, 3>(grads, id, g),
+        4 => reg::<B, 4>(grads, id, g),
+        5 => reg::<B, 5>(grads, id, g),
+        6 => reg::<B, 6>(grads, id, g),
+        d => panic!("kiln: a parameter of rank {d} (up to 6 supported)"),
+    }
+}
+
+/// Forgets a sharded model's gradient-sync registrations (its state and groups are freed once
+/// no parameter refers to them). Its parameters' gradients are no longer reduced afterwards.
+pub fn release<B, AB, M>(module: &M)
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: Module<AB>,
+{
+    let marks = Marks::<B>::of::<AB, M>(module);
+    for m in marks.models() {
+        let ids: Vec<DistributedParamId> = m.lock().params.keys().copied().collect();
+        unregister(&ids);
+    }
+}
+
+/// The group over which `module`'s strategy shards optimizer state (ZeRO-1/2/3, hybrid), or
+/// `None` when it is replicated (DDP) or the model is not sharded.
+pub fn optimizer_state_group<B, AB, M>(module: &M) -> Option<Arc<dyn ProcessGroup>>
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: Module<AB>,
+{
+    let models = Marks::<B>::of::<AB, M>(module).models();
+    let m = models.first()?;
+    m.config
+        .strategy
+        .shards_optimizer()
+        .then(|| m.shard_group.clone())
 }

@@ -1,7 +1,7 @@
 //! The float primitive of [`Shard`](crate::Shard): a whole tensor, or this rank's shard of one.
 
 use burn_backend::{Backend, DType, TensorMetadata};
-use burn_std::Shape;
+use burn_std::{Shape, Slice, SliceOps};
 use kiln_comm::ProcessGroup;
 use std::sync::Arc;
 
@@ -10,11 +10,77 @@ use std::sync::Arc;
 /// `shape()` is always the logical (whole) shape, so modules, `num_params` and shape checks
 /// see the model as written; only the bytes held differ.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum ShardTensor<B: Backend> {
     /// The whole tensor, held by this rank (activations, DDP parameters, anything replicated).
     Local(B::FloatTensorPrimitive),
     /// This rank's shard of a tensor laid out flat over a group.
     Sharded(Sharded<B>),
+    /// A layout op (reshape, transpose, permute, slice, expand) of a shard, not yet applied:
+    /// the shard is gathered and the ops replayed only when the view is used.
+    ///
+    /// Without it, `w.transpose()` of a sharded weight would return the whole weight, which
+    /// autodiff then keeps for backward (a tied output head `x @ wteᵀ`, a LayerNorm's scale
+    /// reshaped for broadcasting): the whole parameter would live from forward to backward,
+    /// breaking ZeRO-3's "gathered on use, dropped after".
+    View(View<B>),
+}
+
+/// A shard seen through layout ops: `ops` applied in order to the gathered `base`.
+#[derive(Debug, Clone)]
+pub struct View<B: Backend> {
+    /// The shard the view reads.
+    pub base: Sharded<B>,
+    /// The layout ops, in order.
+    pub ops: Vec<ViewOp>,
+    /// The view's logical shape.
+    pub shape: Shape,
+}
+
+/// A layout op deferred by a [`View`], with the inner backend's arguments.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum ViewOp {
+    /// `float_reshape` to this shape.
+    Reshape(Shape),
+    /// `float_swap_dims`.
+    SwapDims(usize, usize),
+    /// `float_permute` by these axes.
+    Permute(Vec<usize>),
+    /// `float_slice` with these slices.
+    Slice(Vec<Slice>),
+    /// `float_expand` to this shape.
+    Expand(Shape),
+}
+
+impl ViewOp {
+    /// Applies the op to a whole inner tensor.
+    pub fn apply<B: Backend>(&self, t: B::FloatTensorPrimitive) -> B::FloatTensorPrimitive {
+        match self {
+            ViewOp::Reshape(shape) => B::float_reshape(t, shape.clone()),
+            ViewOp::SwapDims(a, b) => B::float_swap_dims(t, *a, *b),
+            ViewOp::Permute(axes) => B::float_permute(t, axes),
+            ViewOp::Slice(slices) => B::float_slice(t, slices),
+            ViewOp::Expand(shape) => B::float_expand(t, shape.clone()),
+        }
+    }
+
+    /// The shape the op gives a tensor of `shape` (Burn's shape rules, without a tensor).
+    pub fn apply_shape<B: Backend>(&self, shape: Shape) -> Shape {
+        let dims = shape.as_slice();
+        match self {
+            ViewOp::Reshape(s) | ViewOp::Expand(s) => s.clone(),
+            ViewOp::SwapDims(a, b) => {
+                let mut d = dims.to_vec();
+                d.swap(*a, *b);
+                Shape::from(d)
+            }
+            ViewOp::Permute(axes) => Shape::from(axes.iter().map(|&a| dims[a]).collect::<Vec<_>>()),
+            ViewOp::Slice(slices) => shape.clone().slice(slices).unwrap_or_else(|e| {
+                panic!("kiln: slicing a tensor of shape {dims:?} with {slices:?}: {e:?}")
+            }),
+        }
+    }
 }
 
 /// This rank's shard of a tensor: elements `shard_range(numel, world_size, rank)` of the
@@ -67,6 +133,7 @@ impl<B: Backend> TensorMetadata for ShardTensor<B> {
         match self {
             ShardTensor::Local(t) => t.dtype(),
             ShardTensor::Sharded(s) => s.shard.dtype(),
+            ShardTensor::View(v) => v.base.shard.dtype(),
         }
     }
 
@@ -74,21 +141,23 @@ impl<B: Backend> TensorMetadata for ShardTensor<B> {
         match self {
             ShardTensor::Local(t) => t.shape(),
             ShardTensor::Sharded(s) => s.shape.clone(),
+            ShardTensor::View(v) => v.shape.clone(),
         }
     }
 }
 
 impl<B: Backend> ShardTensor<B> {
-    /// Whether this is a shard.
+    /// Whether this is a shard (or a view of one).
     pub fn is_sharded(&self) -> bool {
-        matches!(self, ShardTensor::Sharded(_))
+        matches!(self, ShardTensor::Sharded(_) | ShardTensor::View(_))
     }
 
-    /// Bytes this rank holds for the tensor.
+    /// Bytes this rank holds for the tensor (a view holds its shard).
     pub fn local_bytes(&self) -> usize {
         let (numel, dtype) = match self {
             ShardTensor::Local(t) => (t.shape().num_elements(), t.dtype()),
             ShardTensor::Sharded(s) => (s.shard.shape().num_elements(), s.shard.dtype()),
+            ShardTensor::View(v) => (v.base.shard.shape().num_elements(), v.base.shard.dtype()),
         };
         numel * dtype.size()
     }

@@ -25,7 +25,7 @@ fn one_step(strategy: Strategy) -> (u64, u64) {
         let model: Linear<B> = LinearConfig::new(WIDTH, WIDTH).init(&device);
         let model = shard(model, world.clone(), ShardConfig::new(strategy)).unwrap();
         let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Linear<B>>());
-        let (before, world_before) = (comm_stats::<Flex>().unwrap(), world.stats());
+        let (before, world_before) = (comm_stats(&model).unwrap(), world.stats());
         let x = Tensor::<B, 2>::from_data(
             TensorData::new(vec![0.5f32; 2 * WIDTH], [2, WIDTH]),
             &device,
@@ -33,7 +33,7 @@ fn one_step(strategy: Strategy) -> (u64, u64) {
         let loss = model.forward(x).powf_scalar(2.0).mean();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let model = optim.step(1e-3, model, grads);
-        let sent = comm_stats::<Flex>().unwrap().since(&before);
+        let sent = comm_stats(&model).unwrap().since(&before);
         let on_world = world.stats().since(&world_before);
         drop(model);
         let payload = |s: kiln_comm::CommStats| s.total_sent() - s.get(OpKind::Barrier).bytes_sent;

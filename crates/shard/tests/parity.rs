@@ -246,27 +246,56 @@ fn reading_a_shard_on_one_rank_alone_is_an_error_not_a_hang() {
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
 }
 
+/// Loading a record replaces the parameters (and gives them the record's ids): the load mapper
+/// `shard` installs keeps their gradient-sync marks, so training goes on with every gradient
+/// reduced, and equals a model that was never reloaded.
 #[test]
-fn a_gradient_the_hook_never_reduced_is_an_error() {
+fn loading_a_record_keeps_the_gradient_sync_marks() {
     use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
     use kiln_shard::ShardedOptimizer;
-    // Loading a record replaces the parameters, their gradient marks and (the record's own)
-    // ids; training on without `remark` must fail loudly, and `remark` must repair it.
-    let run = |remark: bool| {
+    for strategy in [Strategy::Ddp, Strategy::Zero3] {
+        let results = spawn_ranks(2, |g: LocalGroup| {
+            let device = Default::default();
+            // Each rank builds its own copies (`Mlp::new` is deterministic): ranks that
+            // shared autodiff tensors would share burn-autodiff graphs across threads,
+            // whose locks burn 0.21 takes in opposite orders in `register` and `backward`
+            // (a deadlock that hung CI once).
+            // Ranks train on different rows: unreduced gradients would make them diverge.
+            let rows = g.rank() * 4..(g.rank() + 1) * 4;
+            let model = shard(mlp(), Arc::new(g), ShardConfig::new(strategy)).unwrap();
+            let model = model.load_record(mlp().into_record());
+            let (x, y) = kiln_shard::check::data::<B>(7, rows, 0, &device);
+            let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+            let mut optim =
+                ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Mlp<B>>());
+            let model = optim.step(1e-2, model, grads);
+            params::<Flex, _>(&model)
+        });
+        assert_eq!(
+            results[0], results[1],
+            "{strategy}: ranks diverged after loading"
+        );
+    }
+}
+
+/// Gradients computed under `no_sync` and stepped without `reduce_gradients` were never reduced:
+/// the optimizer refuses them, naming the fix.
+#[test]
+fn unreduced_gradients_are_an_error() {
+    use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+    use kiln_shard::ShardedOptimizer;
+    let run = |reduce: bool| {
         std::panic::catch_unwind(|| {
             spawn_ranks(2, |g: LocalGroup| {
                 let device = Default::default();
-                // Each rank builds its own copies (`Mlp::new` is deterministic): ranks that
-                // shared autodiff tensors would share burn-autodiff graphs across threads,
-                // whose locks burn 0.21 takes in opposite orders in `register` and `backward`
-                // (a deadlock that hung CI once).
                 let model = shard(mlp(), Arc::new(g), ShardConfig::new(Strategy::Ddp)).unwrap();
-                let model = model.load_record(mlp().into_record());
-                if remark {
-                    kiln_shard::remark(&model);
-                }
                 let (x, y) = kiln_shard::check::data::<B>(7, 0..4, 0, &device);
-                let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                let mut grads = kiln_shard::no_sync(&model, || {
+                    GradientsParams::from_grads(model.loss(x, y).backward(), &model)
+                });
+                if reduce {
+                    grads = kiln_shard::reduce_gradients(&model, grads);
+                }
                 let mut optim =
                     ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Mlp<B>>());
                 optim.step(1e-3, model, grads);
@@ -275,7 +304,7 @@ fn a_gradient_the_hook_never_reduced_is_an_error() {
     };
     let msg = *run(false).unwrap_err().downcast::<String>().unwrap();
     assert!(msg.contains("were never reduced across ranks"), "{msg}");
-    assert!(msg.contains("kiln_shard::remark"), "{msg}");
+    assert!(msg.contains("kiln_shard::reduce_gradients"), "{msg}");
     assert!(run(true).is_ok());
 }
 

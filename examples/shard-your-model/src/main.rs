@@ -165,7 +165,7 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
     );
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     // Traffic on the groups sharding uses (under hybrid sharding, sub-groups of `group`).
-    let before = comm_stats::<Flex>();
+    let before = comm_stats(&model);
 
     let mut losses = Vec::with_capacity(args.steps);
     for step in 0..args.steps {
@@ -192,7 +192,7 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
 
     let param_bytes = param_bytes::<Flex, B, _>(&model);
     let optimizer_bytes = record_bytes::<B, _>(optim.to_record());
-    let sent_per_step = match (comm_stats::<Flex>(), before) {
+    let sent_per_step = match (comm_stats(&model), before) {
         (Some(now), Some(before)) => now.since(&before).total_sent() / args.steps as u64,
         _ => 0,
     };

@@ -1,12 +1,13 @@
 //! The hand-written exceptions of the forwarding (see `forward.rs` for the rest).
 
-use super::policy::{Host, collective_failed, local, read, write};
+use super::policy::{Host, collective_failed, local, read, view, write};
+use crate::tensor::ViewOp;
 use crate::{Shard, ShardTensor};
 use burn_backend::ops::*;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
 use burn_backend::tensor::{Device, FloatTensor, IntTensor, QuantizedTensor};
 use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData, TensorMetadata};
-use burn_std::{FloatDType, Shape};
+use burn_std::{FloatDType, Shape, Slice};
 use kiln_comm::ReduceOp;
 
 // ----- creation: whole tensors, or only this rank's shard while a lazily initialised
@@ -109,6 +110,7 @@ pub(crate) fn float_device<B: Backend>(tensor: &FloatTensor<Shard<B>>) -> Device
     match tensor {
         ShardTensor::Local(t) => B::float_device(t),
         ShardTensor::Sharded(s) => B::float_device(&s.shard),
+        ShardTensor::View(v) => B::float_device(&v.base.shard),
     }
 }
 
@@ -116,7 +118,58 @@ pub(crate) fn float_is_require_grad<B: Backend>(tensor: &FloatTensor<Shard<B>>) 
     match tensor {
         ShardTensor::Local(t) => B::float_is_require_grad(t),
         ShardTensor::Sharded(s) => B::float_is_require_grad(&s.shard),
+        ShardTensor::View(v) => B::float_is_require_grad(&v.base.shard),
     }
+}
+
+// ----- layout ops: deferred on shards (see `ShardTensor::View`) -----
+
+pub(crate) fn float_reshape<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    shape: Shape,
+) -> FloatTensor<Shard<B>> {
+    view(tensor, ViewOp::Reshape(shape))
+}
+
+pub(crate) fn float_swap_dims<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    dim1: usize,
+    dim2: usize,
+) -> FloatTensor<Shard<B>> {
+    view(tensor, ViewOp::SwapDims(dim1, dim2))
+}
+
+pub(crate) fn float_transpose<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
+    match tensor {
+        ShardTensor::Local(t) => ShardTensor::Local(B::float_transpose(t)),
+        // Burn's transpose swaps the last two dimensions.
+        t => {
+            let rank = t.shape().num_dims();
+            assert!(rank >= 2, "kiln: transposing a tensor of rank {rank}");
+            view(t, ViewOp::SwapDims(rank - 2, rank - 1))
+        }
+    }
+}
+
+pub(crate) fn float_permute<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    axes: &[usize],
+) -> FloatTensor<Shard<B>> {
+    view(tensor, ViewOp::Permute(axes.to_vec()))
+}
+
+pub(crate) fn float_slice<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    slices: &[Slice],
+) -> FloatTensor<Shard<B>> {
+    view(tensor, ViewOp::Slice(slices.to_vec()))
+}
+
+pub(crate) fn float_expand<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    shape: Shape,
+) -> FloatTensor<Shard<B>> {
+    view(tensor, ViewOp::Expand(shape))
 }
 
 // ----- whole-tensor reductions: local partial, then all-reduce -----
@@ -133,6 +186,8 @@ fn reduce_all<B: Backend>(
             return ShardTensor::Local(local_op(s.shard));
         }
         ShardTensor::Sharded(s) => s,
+        // A view may slice or expand: reduce what it shows.
+        v @ ShardTensor::View(_) => return ShardTensor::Local(local_op(local(v))),
     };
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
@@ -159,16 +214,12 @@ pub(crate) fn float_sum<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTenso
 
 pub(crate) fn float_mean<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
     match tensor {
-        ShardTensor::Local(t) => ShardTensor::Local(B::float_mean(t)),
         ShardTensor::Sharded(s) => {
             let n = s.numel();
-            match float_sum::<B>(ShardTensor::Sharded(s)) {
-                ShardTensor::Local(sum) => {
-                    ShardTensor::Local(B::float_div_scalar(sum, (n as f64).into()))
-                }
-                ShardTensor::Sharded(_) => unreachable!("a reduction's result is whole"),
-            }
+            let sum = local(float_sum::<B>(ShardTensor::Sharded(s)));
+            ShardTensor::Local(B::float_div_scalar(sum, (n as f64).into()))
         }
+        t => ShardTensor::Local(B::float_mean(local(t))),
     }
 }
 
@@ -191,9 +242,9 @@ pub(crate) fn embedding_backward<B: Backend>(
 ) -> FloatTensor<Shard<B>> {
     let weights = match weights {
         ShardTensor::Local(w) => w,
-        ShardTensor::Sharded(s) => {
-            let device = B::float_device(&s.shard);
-            B::float_zeros(s.shape.clone(), &device, s.shard.dtype().into())
+        t => {
+            let device = float_device::<B>(&t);
+            B::float_zeros(t.shape(), &device, t.dtype().into())
         }
     };
     ShardTensor::Local(B::embedding_backward(weights, local(output_grad), indices))

@@ -115,19 +115,19 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         unary(tensor, |t| B::float_recip(t))
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        ShardTensor::Local(B::float_transpose(local(tensor)))
+        custom::float_transpose::<B>(tensor)
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
-        ShardTensor::Local(B::float_swap_dims(local(tensor), dim1, dim2))
+        custom::float_swap_dims::<B>(tensor, dim1, dim2)
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
-        ShardTensor::Local(B::float_permute(local(tensor), axes))
+        custom::float_permute::<B>(tensor, axes)
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
         ShardTensor::Local(B::float_flip(local(tensor), axes))
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        ShardTensor::Local(B::float_reshape(local(tensor), shape))
+        custom::float_reshape::<B>(tensor, shape)
     }
     fn float_gather(
         dim: usize,
@@ -186,7 +186,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         ))
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
-        ShardTensor::Local(B::float_slice(local(tensor), slices))
+        custom::float_slice::<B>(tensor, slices)
     }
     fn float_slice_assign(
         tensor: FloatTensor<Self>,
@@ -504,7 +504,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         unary(tensor, |t| B::float_sign(t))
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        ShardTensor::Local(B::float_expand(local(tensor), shape))
+        custom::float_expand::<B>(tensor, shape)
     }
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
         ShardTensor::Local(B::float_sort(local(tensor), dim, descending))

@@ -1,7 +1,7 @@
 //! How float tensors pass through the decorator: shard-local, gathered, or reduced.
 
 use crate::ShardTensor;
-use crate::tensor::Sharded;
+use crate::tensor::{Sharded, View, ViewOp};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorData, TensorMetadata, TensorPrimitive, try_read_sync};
 use burn_std::{Shape, Slice};
@@ -92,6 +92,28 @@ pub(crate) fn local<B: Backend>(t: FloatTensor<crate::Shard<B>>) -> B::FloatTens
     match t {
         ShardTensor::Local(t) => t,
         ShardTensor::Sharded(s) => gather(&s),
+        ShardTensor::View(v) => v.ops.iter().fold(gather(&v.base), |t, op| op.apply::<B>(t)),
+    }
+}
+
+/// A layout op: on a whole tensor, applied now; on a shard or a view of one, deferred (see
+/// [`ShardTensor::View`]), so that no whole parameter outlives the op that uses it.
+pub(crate) fn view<B: Backend>(t: ShardTensor<B>, op: ViewOp) -> ShardTensor<B> {
+    match t {
+        ShardTensor::Local(t) => ShardTensor::Local(op.apply::<B>(t)),
+        ShardTensor::Sharded(base) => {
+            let shape = op.apply_shape::<B>(base.shape.clone());
+            ShardTensor::View(View {
+                base,
+                ops: vec![op],
+                shape,
+            })
+        }
+        ShardTensor::View(mut v) => {
+            v.shape = op.apply_shape::<B>(v.shape);
+            v.ops.push(op);
+            ShardTensor::View(v)
+        }
     }
 }
 
@@ -124,6 +146,16 @@ pub(crate) fn unary<B: Backend>(
             shard: f(s.shard),
             shape: s.shape,
             group: s.group,
+        }),
+        // Elementwise ops commute with layout ops: the view stays a view of the new shard.
+        ShardTensor::View(v) => ShardTensor::View(View {
+            base: Sharded {
+                shard: f(v.base.shard),
+                shape: v.base.shape,
+                group: v.base.group,
+            },
+            ops: v.ops,
+            shape: v.shape,
         }),
     }
 }
