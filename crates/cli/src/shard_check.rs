@@ -6,7 +6,7 @@
 use anyhow::{Result, bail};
 use kiln_comm::{GroupOptions, LocalGroup, ProcessGroup, TcpGroup};
 use kiln_shard::Strategy;
-use kiln_shard::check::{Errors, Mlp, Options, train};
+use kiln_shard::check::{Errors, Mlp, Options, train, with_values};
 use std::sync::Arc;
 
 /// Arguments of `kiln shard-check`.
@@ -30,6 +30,11 @@ pub struct ShardCheckArgs {
     /// Largest relative error accepted (losses, and all parameters as one vector).
     #[arg(long, default_value_t = 1e-5)]
     tolerance: f64,
+    /// How each rank initialises the model: `fixed` (the same deterministic weights everywhere)
+    /// or `burn` (Burn's random initialisers, seeded by the rank so that ranks differ: `shard`
+    /// must make them rank 0's, and the reference starts from rank 0's weights).
+    #[arg(long, default_value = "fixed", value_parser = ["fixed", "burn"])]
+    init: String,
 }
 
 fn run_rank<B: burn::tensor::backend::Backend>(
@@ -37,7 +42,16 @@ fn run_rank<B: burn::tensor::backend::Backend>(
     strategy: Strategy,
     opts: Options,
     device: &B::Device,
+    burn_init: bool,
 ) -> Result<Errors> {
+    if burn_init {
+        // Threads of one process share Burn's generator; processes seed it by rank.
+        <B as burn::tensor::backend::Backend>::seed(device, 1 + group.rank() as u64);
+        let run = train::<B, _>(Mlp::random(device), Some(group), strategy, opts, device)?;
+        let reference = with_values(Mlp::random(device), &run.initial);
+        let reference = train::<B, _>(reference, None, strategy, opts, device)?;
+        return Ok(Errors::of(&run, &reference));
+    }
     let reference = train::<B, _>(Mlp::new(device), None, strategy, opts, device)?;
     let run = train::<B, _>(Mlp::new(device), Some(group), strategy, opts, device)?;
     Ok(Errors::of(&run, &reference))
@@ -51,7 +65,13 @@ fn on_device(
     local_rank: usize,
 ) -> Result<Errors> {
     match args.device.as_str() {
-        "cpu" => run_rank::<burn::backend::Flex>(group, strategy, opts, &Default::default()),
+        "cpu" => run_rank::<burn::backend::Flex>(
+            group,
+            strategy,
+            opts,
+            &Default::default(),
+            args.init == "burn",
+        ),
         #[cfg(feature = "cuda")]
         "cuda" => {
             let device = burn::backend::cuda::CudaDevice::new(local_rank);
@@ -75,7 +95,7 @@ fn on_device(
             if e.worst() > 1e-4 {
                 bail!("cuda and cpu disagree beyond 1e-4: {e:?}");
             }
-            run_rank::<kiln::Cuda>(group, strategy, opts, &device)
+            run_rank::<kiln::Cuda>(group, strategy, opts, &device, args.init == "burn")
         }
         other => {
             let _ = local_rank;

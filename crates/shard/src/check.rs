@@ -10,7 +10,7 @@ use crate::{
     Shard, ShardConfig, ShardError, ShardedOptimizer, Strategy, clip_grad_norm, gather_model, shard,
 };
 use burn::backend::Autodiff;
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::{Linear, Relu};
 use burn::optim::{AdamWConfig, GradientsAccumulator, Optimizer};
 use burn::tensor::backend::Backend;
@@ -55,6 +55,17 @@ fn deterministic<B: Backend, const D: usize>(
 }
 
 impl<B: Backend> Mlp<B> {
+    /// Weights drawn by Burn's own initialisers (lazily, on first use) from the backend's
+    /// random generator: different on every rank unless `shard` makes them equal.
+    pub fn random(device: &B::Device) -> Self {
+        use burn::nn::LinearConfig;
+        Mlp {
+            a: LinearConfig::new(7, 13).init(device),
+            b: LinearConfig::new(13, OUTPUTS).init(device),
+            act: Relu::new(),
+        }
+    }
+
     /// The same weights on every rank and in every process (no random numbers).
     pub fn new(device: &B::Device) -> Self {
         let linear = |i: usize, o: usize, salt: usize| Linear {
@@ -115,6 +126,8 @@ pub struct Options {
     pub clip: Option<f64>,
     /// Micro-batches accumulated per step.
     pub accumulate: usize,
+    /// Accumulate micro-batches under [`no_sync`](crate::no_sync) and reduce once per step.
+    pub no_sync: bool,
 }
 
 impl Default for Options {
@@ -124,6 +137,7 @@ impl Default for Options {
             steps: 20,
             clip: None,
             accumulate: 1,
+            no_sync: false,
         }
     }
 }
@@ -135,6 +149,47 @@ pub struct Run {
     pub losses: Vec<f64>,
     /// Every parameter after the last step, flattened, in module order.
     pub params: Vec<Vec<f32>>,
+    /// Every parameter before the first step (after `shard`: rank 0's weights).
+    pub initial: Vec<Vec<f32>>,
+}
+
+/// `model` with every float parameter replaced by `values` (whole tensors, module order), for a
+/// reference that starts from a sharded run's initial weights.
+///
+/// # Panics
+/// If the number of parameters or a length differs.
+pub fn with_values<B: Backend, M: Module<Train<B>>>(model: M, values: &[Vec<f32>]) -> M {
+    struct Set<'a>(&'a [Vec<f32>], usize);
+    impl<AB: Backend> ModuleMapper<AB> for Set<'_> {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<AB, D>>,
+        ) -> Param<Tensor<AB, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let values = self
+                .0
+                .get(self.1)
+                .expect("a value for every parameter")
+                .clone();
+            self.1 += 1;
+            let shape = tensor.shape();
+            assert_eq!(
+                values.len(),
+                shape.num_elements(),
+                "values of parameter #{}",
+                self.1
+            );
+            let mut t = Tensor::from_data(TensorData::new(values, shape), &tensor.device());
+            if tensor.is_require_grad() {
+                t = t.require_grad();
+            }
+            Param::from_mapped_value(id, t, mapper)
+        }
+    }
+    let mut set = Set(values, 0);
+    let model = model.map(&mut set);
+    assert_eq!(set.1, values.len(), "parameter count");
+    model
 }
 
 /// Every parameter's values (gathers shards: all ranks must call it).
@@ -187,6 +242,7 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         )?,
         None => model,
     };
+    let initial = params::<B, M>(&model);
     let mut optim = ShardedOptimizer::<_, B>::new(
         AdamWConfig::new()
             .with_weight_decay(0.1)
@@ -202,9 +258,17 @@ pub fn train<B: Backend, M: ParityModel<B>>(
             let (x, y) = data::<Train<B>>(width, start..start + micro, step, device);
             let loss = model.loss(x, y).div_scalar(opts.accumulate as f64);
             step_loss += loss.clone().into_scalar().elem::<f64>();
-            acc.accumulate(&model, crate::backward(loss, &model));
+            let grads = if opts.no_sync {
+                crate::no_sync(&model, || crate::backward(loss, &model))
+            } else {
+                crate::backward(loss, &model)
+            };
+            acc.accumulate(&model, grads);
         }
         let mut grads = acc.grads();
+        if opts.no_sync && group.is_some() {
+            grads = crate::reduce_gradients(&model, grads);
+        }
         if let Some(max) = opts.clip {
             grads = clip_grad_norm(&model, grads, max).0;
         }
@@ -223,6 +287,7 @@ pub fn train<B: Backend, M: ParityModel<B>>(
     Ok(Run {
         losses,
         params: params::<B, M>(&model),
+        initial,
     })
 }
 

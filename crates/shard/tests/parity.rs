@@ -112,6 +112,7 @@ const CLIP_ACC: Options = Options {
     steps: 20,
     clip: Some(0.05),
     accumulate: 2,
+    no_sync: false,
 };
 
 #[test]
@@ -320,4 +321,124 @@ fn an_unsharded_model_trains_after_a_world_1_shard_on_the_same_thread() {
     drop(sharded);
     let run = train(mlp(), None, Strategy::Ddp, Options::default(), &device).unwrap();
     assert!(run.losses[run.losses.len() - 1] < run.losses[0]);
+}
+
+/// A model initialised by Burn's own random initialisers, with no seed and no kiln init, draws
+/// different weights on every rank; `shard` makes them rank 0's, so N-rank training equals one
+/// device that starts from rank 0's weights. Lazily initialised (ZeRO-3 creates the shards from
+/// a shared seed) and initialised before `shard` (rank 0 broadcasts, or scatters shards).
+#[test]
+fn burn_initialised_models_train_like_one_device_from_rank_0_weights() {
+    let device = Default::default();
+    let cases = [
+        (Strategy::Ddp, 2),
+        (Strategy::Zero1, 3),
+        (Strategy::Zero2, 2),
+        (Strategy::Zero3, 4),
+        (Strategy::Zero3, 3),
+        (Strategy::Hybrid { shard_size: 2 }, 4),
+    ];
+    let mut worst = 0.0f64;
+    for (strategy, world) in cases {
+        for materialise in [false, true] {
+            let runs = spawn_ranks(world, |g: LocalGroup| {
+                let model = Mlp::<B>::random(&Default::default());
+                if materialise {
+                    params::<Flex, _>(&model);
+                }
+                train(
+                    model,
+                    Some(Arc::new(g)),
+                    strategy,
+                    Options::default(),
+                    &device,
+                )
+                .unwrap()
+            });
+            // Every rank saw the same (rank 0's) initial weights, whole.
+            for r in &runs[1..] {
+                assert_eq!(
+                    r.initial, runs[0].initial,
+                    "{strategy} x{world}: initial weights"
+                );
+            }
+            let reference =
+                kiln_shard::check::with_values(Mlp::<B>::random(&device), &runs[0].initial);
+            let reference = train(reference, None, strategy, Options::default(), &device).unwrap();
+            let e = Errors::of(&runs[0], &reference);
+            worst = worst.max(e.worst());
+            assert!(
+                e.worst() < TOLERANCE,
+                "{strategy} x{world} (materialised before shard: {materialise}): {e:?}"
+            );
+        }
+    }
+    println!("Burn-initialised MLP, every strategy, 2-4 ranks: worst error {worst:.3e}");
+}
+
+/// `no_sync` over 4 micro-batches reduces once per step: exactly 1/4 of the gradient traffic
+/// of reducing every micro-batch, with the same training result.
+#[test]
+fn no_sync_sends_a_quarter_of_the_traffic_with_the_same_result() {
+    use kiln_comm::OpKind;
+    let device = Default::default();
+    for strategy in [Strategy::Ddp, Strategy::Zero2] {
+        let run = |no_sync: bool| {
+            spawn_ranks(2, |g: LocalGroup| {
+                let group: Arc<dyn ProcessGroup> = Arc::new(g);
+                let opts = Options {
+                    accumulate: 4,
+                    steps: 5,
+                    no_sync,
+                    ..Options::default()
+                };
+                let kind = if strategy == Strategy::Ddp {
+                    OpKind::AllReduce
+                } else {
+                    OpKind::ReduceScatter
+                };
+                // The harness all-reduces one f32 (the step's loss) per step: measured here,
+                // to be subtracted from DDP's all-reduce traffic.
+                let before = group.stats();
+                group
+                    .all_reduce((&mut [0f32][..]).into(), kiln_comm::ReduceOp::Avg)
+                    .unwrap();
+                let loss_bytes = group
+                    .stats()
+                    .since(&before)
+                    .get(OpKind::AllReduce)
+                    .bytes_sent;
+                let loss_bytes = if strategy == Strategy::Ddp {
+                    loss_bytes
+                } else {
+                    0
+                };
+                // What `shard`, and reading the initial and final weights, send: a run of no
+                // steps.
+                let before = group.stats();
+                let setup = Options { steps: 0, ..opts };
+                train(mlp(), Some(group.clone()), strategy, setup, &device).unwrap();
+                let setup = group.stats().since(&before).get(kind).bytes_sent;
+                let before = group.stats();
+                let run = train(mlp(), Some(group.clone()), strategy, opts, &device).unwrap();
+                let sent = group.stats().since(&before).get(kind).bytes_sent;
+                (run, sent - setup - opts.steps as u64 * loss_bytes)
+            })
+        };
+        let (synced, every) = run(false).swap_remove(0);
+        let (deferred, once) = run(true).swap_remove(0);
+        assert!(once > 0);
+        assert_eq!(
+            every,
+            4 * once,
+            "{strategy}: {every} B reducing every micro-batch vs {once} B with no_sync"
+        );
+        let e = Errors::of(&deferred, &synced);
+        assert!(e.worst() < TOLERANCE, "{strategy}: {e:?}");
+        println!(
+            "{strategy}: gradient traffic {every} B every micro-batch, {once} B with no_sync; \
+             error {:.3e}",
+            e.worst()
+        );
+    }
 }

@@ -158,6 +158,8 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
         None => model,
     };
     let mut model = kiln_train::init::init(model, SEED);
+    // Whole initial parameters (a collective under ZeRO-3: every rank takes part).
+    let initial = params::<Flex, _>(&model);
     let mut optim = ShardedOptimizer::<_, Flex>::new(
         AdamWConfig::new()
             .with_weight_decay(0.01)
@@ -205,6 +207,7 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
         trained: check::Run {
             losses,
             params: params::<Flex, _>(&model),
+            initial,
         },
         param_bytes,
         optimizer_bytes,
