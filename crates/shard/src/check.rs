@@ -66,6 +66,11 @@ impl<B: Backend> Mlp<B> {
         }
     }
 
+    /// The outputs for input rows `x`.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.b.forward(self.act.forward(self.a.forward(x)))
+    }
+
     /// The same weights on every rank and in every process (no random numbers).
     pub fn new(device: &B::Device) -> Self {
         let linear = |i: usize, o: usize, salt: usize| Linear {
@@ -82,8 +87,7 @@ impl<B: Backend> Mlp<B> {
 
 impl<B: Backend> ParityModel<B> for Mlp<Train<B>> {
     fn loss(&self, x: Tensor<Train<B>, 2>, y: Tensor<Train<B>, 2>) -> Tensor<Train<B>, 1> {
-        let out = self.b.forward(self.act.forward(self.a.forward(x)));
-        (out - y).powf_scalar(2.0).mean()
+        (self.forward(x) - y).powf_scalar(2.0).mean()
     }
     fn input_width(&self) -> usize {
         7
