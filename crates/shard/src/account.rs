@@ -144,3 +144,199 @@ unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
         LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
     }
 }
+
+/// What kiln knows an allocation is for: the scope the allocating thread was in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemKind {
+    /// Everything else: parameters' shards, activations, gradients, optimizer state,
+    /// temporaries.
+    Other = 0,
+    /// A whole parameter gathered from its shards (ZeRO-3, hybrid), while it is alive.
+    Gathered = 1,
+    /// Buffers of the gradient reduction (host staging of buckets, reduced results).
+    Comm = 2,
+}
+
+const KINDS: usize = 3;
+/// Ranks the per-rank counters distinguish; allocations of higher ranks are not counted.
+pub const MAX_COUNTED_RANKS: usize = 64;
+const NO_RANK: u64 = u64::MAX;
+
+thread_local! {
+    /// (rank << 8) | kind of this thread's allocations, or NO_RANK.
+    static TAG: std::cell::Cell<u64> = const { std::cell::Cell::new(NO_RANK) };
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const ZERO: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static RANK_LIVE: [[std::sync::atomic::AtomicUsize; KINDS]; MAX_COUNTED_RANKS] =
+    [const { [ZERO; KINDS] }; MAX_COUNTED_RANKS];
+static RANK_PEAK: [std::sync::atomic::AtomicUsize; MAX_COUNTED_RANKS] = [ZERO; MAX_COUNTED_RANKS];
+static RANK_KIND_PEAK: [[std::sync::atomic::AtomicUsize; KINDS]; MAX_COUNTED_RANKS] =
+    [const { [ZERO; KINDS] }; MAX_COUNTED_RANKS];
+static RANK_ALLOC_IN_USE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Attributes this thread's allocations from now on to `rank` (ranks as threads of one
+/// process: each rank's thread calls it; [`shard`](crate::shard()) does it for the thread that
+/// shards a model, with the rank in the group it is given). Counted by [`RankAlloc`].
+pub fn attribute_to_rank(rank: usize) {
+    TAG.with(|t| {
+        let kind = if t.get() == NO_RANK {
+            0
+        } else {
+            t.get() & 0xff
+        };
+        t.set(((rank as u64) << 8) | kind)
+    });
+}
+
+/// Runs `f` with this thread's allocations counted as `kind`.
+pub(crate) fn with_kind<R>(kind: MemKind, f: impl FnOnce() -> R) -> R {
+    struct Restore(u64);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            TAG.with(|t| t.set(self.0));
+        }
+    }
+    let before = TAG.with(|t| t.get());
+    if before == NO_RANK {
+        return f();
+    }
+    let _restore = Restore(before);
+    TAG.with(|t| t.set((before & !0xff) | kind as u64));
+    f()
+}
+
+/// What one rank holds on the heap, by kind, as counted by [`RankAlloc`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankMemory {
+    /// Live bytes now: [`MemKind::Other`], [`MemKind::Gathered`], [`MemKind::Comm`].
+    pub live: [usize; KINDS],
+    /// The most bytes (all kinds) live at once since [`RankMemory::reset_peak`].
+    pub peak: usize,
+    /// The most bytes of each kind live at once since then.
+    pub peak_by_kind: [usize; KINDS],
+}
+
+impl RankMemory {
+    /// `rank`'s counters (all zero unless the program's global allocator is [`RankAlloc`]).
+    pub fn of(rank: usize) -> RankMemory {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(live) = RANK_LIVE.get(rank) else {
+            return RankMemory::default();
+        };
+        RankMemory {
+            live: std::array::from_fn(|k| live[k].load(Relaxed)),
+            peak: RANK_PEAK[rank].load(Relaxed),
+            peak_by_kind: std::array::from_fn(|k| RANK_KIND_PEAK[rank][k].load(Relaxed)),
+        }
+    }
+    /// Live bytes, all kinds.
+    pub fn total(&self) -> usize {
+        self.live.iter().sum()
+    }
+    /// Live bytes of `kind`.
+    pub fn live(&self, kind: MemKind) -> usize {
+        self.live[kind as usize]
+    }
+    /// Peak bytes of `kind`.
+    pub fn peak_of(&self, kind: MemKind) -> usize {
+        self.peak_by_kind[kind as usize]
+    }
+    /// Starts new peaks for `rank` from what it holds now.
+    pub fn reset_peak(rank: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if rank >= MAX_COUNTED_RANKS {
+            return;
+        }
+        let now = RankMemory::of(rank);
+        RANK_PEAK[rank].store(now.total(), Relaxed);
+        for k in 0..KINDS {
+            RANK_KIND_PEAK[rank][k].store(now.live[k], Relaxed);
+        }
+    }
+    /// Whether [`RankAlloc`] is the global allocator (it has counted an allocation).
+    pub fn counting() -> bool {
+        RANK_ALLOC_IN_USE.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// A global allocator that counts live and peak heap bytes per rank (ranks as threads
+/// included) and per [`MemKind`]: each allocation carries a 16-byte header naming the rank and
+/// kind of the thread that made it, so it is subtracted from the right counters wherever it is
+/// freed. For tests, benchmarks and `kiln train`'s memory report:
+///
+/// ```no_run
+/// #[global_allocator]
+/// static ALLOC: kiln_shard::account::RankAlloc = kiln_shard::account::RankAlloc;
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RankAlloc;
+
+impl RankAlloc {
+    const HEADER: usize = 16;
+
+    fn header(layout: std::alloc::Layout) -> Option<(std::alloc::Layout, usize)> {
+        let pad = Self::HEADER.max(layout.align());
+        let size = layout.size().checked_add(pad)?;
+        Some((
+            std::alloc::Layout::from_size_align(size, layout.align()).ok()?,
+            pad,
+        ))
+    }
+
+    fn count(tag: u64, size: usize, add: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let rank = (tag >> 8) as usize;
+        let kind = (tag & 0xff) as usize;
+        if tag == NO_RANK || rank >= MAX_COUNTED_RANKS || kind >= KINDS {
+            return;
+        }
+        if add {
+            let now = RANK_LIVE[rank][kind].fetch_add(size, Relaxed) + size;
+            RANK_KIND_PEAK[rank][kind].fetch_max(now, Relaxed);
+            let total: usize = RANK_LIVE[rank].iter().map(|k| k.load(Relaxed)).sum();
+            RANK_PEAK[rank].fetch_max(total, Relaxed);
+        } else {
+            RANK_LIVE[rank][kind].fetch_sub(size, Relaxed);
+        }
+    }
+}
+
+// SAFETY: every block is the system allocator's, `HEADER.max(align)` bytes larger than asked and
+// offset by that much (so alignment is kept); the header (the tag) is written in the 8 bytes
+// before the returned pointer and read back on free. Only counters are touched besides.
+unsafe impl std::alloc::GlobalAlloc for RankAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let Some((outer, pad)) = Self::header(layout) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: `outer` has a non-zero size.
+        let base = unsafe { std::alloc::System.alloc(outer) };
+        if base.is_null() {
+            return base;
+        }
+        let tag = TAG.try_with(|t| t.get()).unwrap_or(NO_RANK);
+        // SAFETY: `pad >= 16` bytes precede the returned pointer inside the block; the tag's
+        // slot is 8-aligned since `pad` is a multiple of 8 and `base` is at least 8-aligned.
+        unsafe {
+            let p = base.add(pad);
+            (p.sub(8) as *mut u64).write(tag);
+            Self::count(tag, layout.size(), true);
+            RANK_ALLOC_IN_USE.store(true, std::sync::atomic::Ordering::Relaxed);
+            p
+        }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        let (outer, pad) = Self::header(layout).expect("allocated with this layout");
+        // SAFETY: `ptr` came from `alloc` with this layout: the tag sits 8 bytes before it and
+        // the block starts `pad` bytes before it.
+        unsafe {
+            let tag = (ptr.sub(8) as *const u64).read();
+            Self::count(tag, layout.size(), false);
+            std::alloc::System.dealloc(ptr.sub(pad), outer);
+        }
+    }
+}

@@ -123,7 +123,8 @@ fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
         .iter()
         .map(|p| (unsafe { (*p.ptr).clone() }, p.shape.clone()))
         .collect();
-    for (p, reduced) in bucket.iter().zip(reduce(m, grads)) {
+    let reduced = crate::account::with_kind(crate::account::MemKind::Comm, || reduce(m, grads));
+    for (p, reduced) in bucket.iter().zip(reduced) {
         // SAFETY: as above.
         unsafe { *p.ptr = reduced };
     }

@@ -69,6 +69,7 @@ where
         }
         _ => (group.clone(), None),
     };
+    crate::account::attribute_to_rank(group.rank());
     sync::check_shapes(&module, group.as_ref())?;
     let seed = sync::job_seed(group.as_ref())?;
     let over_ranks = group.world_size() > 1;

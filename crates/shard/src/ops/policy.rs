@@ -48,19 +48,32 @@ pub(crate) fn collective_failed(
 }
 
 /// The whole tensor of a shard, gathered from the group.
+///
+/// For the per-rank memory counters (`account::RankAlloc`), the collective's buffers count as
+/// communication and only the whole tensor as a gathered parameter (so that a transport buffer
+/// a peer frees later is not mistaken for a whole parameter kept alive).
 pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
+    use crate::account::{MemKind, with_kind};
     if s.group.world_size() == 1 {
         // The one shard is the whole tensor.
         return B::float_reshape(s.shard.clone(), s.shape.clone());
     }
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
-    let host = Host::from_data(read::<B>(s.shard.clone()));
-    let mut full = host.zeros(s.numel());
-    s.group
-        .all_gather(host.buf(), full.buf_mut())
-        .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e));
-    write::<B>(full.into_data(s.shape.clone()), &device, dtype)
+    let host = with_kind(MemKind::Comm, || {
+        Host::from_data(read::<B>(s.shard.clone()))
+    });
+    // The buffer the whole tensor is received into becomes its storage (no copy on Flex).
+    let mut full = with_kind(MemKind::Gathered, || host.zeros(s.numel()));
+    with_kind(MemKind::Comm, || {
+        s.group
+            .all_gather(host.buf(), full.buf_mut())
+            .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e))
+    });
+    drop(host);
+    with_kind(MemKind::Gathered, || {
+        write::<B>(full.into_data(s.shape.clone()), &device, dtype)
+    })
 }
 
 /// This rank's shard of a whole inner tensor (no communication).

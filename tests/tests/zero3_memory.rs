@@ -1,0 +1,172 @@
+//! ZeRO-3 keeps its promise on a model with a tied output head and LayerNorms (GPT-2, 8
+//! blocks): whole parameters exist only while an op uses them. Measured per rank (the ranks
+//! are threads of this process) by `RankAlloc`, which tags each allocation with the rank and
+//! kind of the thread that made it.
+
+use burn::backend::Flex;
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln::shard::account::{MemKind, RankAlloc, RankMemory, param_bytes, record_bytes};
+use kiln::shard::{ShardConfig, ShardedOptimizer, Strategy, shard};
+use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
+use kiln_gpt2::{Gpt2, Gpt2Config};
+use kiln_hf::causal_lm_loss;
+use std::sync::Arc;
+
+#[global_allocator]
+static ALLOC: RankAlloc = RankAlloc;
+
+type B = kiln::Train<Flex>;
+
+const RANKS: usize = 4;
+const BATCH: usize = 2;
+const SEQ: usize = 32;
+
+fn config() -> Gpt2Config {
+    Gpt2Config {
+        vocab_size: 512,
+        n_positions: SEQ,
+        n_embd: 64,
+        n_layer: 8,
+        n_head: 4,
+        n_inner: None,
+        activation_function: "gelu_new".into(),
+        layer_norm_epsilon: 1e-5,
+        scale_attn_weights: true,
+        scale_attn_by_inverse_layer_idx: false,
+        tie_word_embeddings: true,
+    }
+}
+
+fn batch(rank: usize, step: usize) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let ids = |shift: usize| {
+        let v: Vec<i64> = (0..BATCH * SEQ)
+            .map(|i| ((i * 31 + rank * 7 + step * 13 + shift) % 512) as i64)
+            .collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v, [BATCH, SEQ]), &Default::default())
+    };
+    (ids(0), ids(1))
+}
+
+/// What one rank measured in one training step (bytes).
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    live_before: usize,
+    peak: usize,
+    gathered_after_forward: usize,
+    gathered_after_backward: usize,
+    gathered_peak: usize,
+    other_peak: usize,
+    comm_peak: usize,
+    shards: usize,
+}
+
+fn step(
+    model: Gpt2<B>,
+    optim: &mut impl Optimizer<Gpt2<B>, B>,
+    rank: usize,
+    n: usize,
+) -> (Gpt2<B>, Step) {
+    let live_before = RankMemory::of(rank).total();
+    let gathered_before = RankMemory::of(rank).live(MemKind::Gathered);
+    RankMemory::reset_peak(rank);
+    let (x, y) = batch(rank, n);
+    let loss = causal_lm_loss(model.forward(x), y);
+    let gathered_after_forward = RankMemory::of(rank).live(MemKind::Gathered) - gathered_before;
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    let gathered_after_backward = RankMemory::of(rank).live(MemKind::Gathered) - gathered_before;
+    let model = optim.step(1e-3, model, grads);
+    let m = RankMemory::of(rank);
+    let shards = param_bytes::<Flex, B, _>(&model);
+    (
+        model,
+        Step {
+            live_before,
+            peak: m.peak,
+            gathered_after_forward,
+            gathered_after_backward,
+            gathered_peak: m.peak_of(MemKind::Gathered) - gathered_before,
+            other_peak: m.peak_of(MemKind::Other),
+            comm_peak: m.peak_of(MemKind::Comm),
+            shards,
+        },
+    )
+}
+
+#[test]
+fn zero3_holds_no_whole_parameter_between_uses() {
+    let cfg = config();
+    let d = cfg.n_embd;
+    // The largest "layers": the token embedding (tied to the head) and a block.
+    let embedding = cfg.vocab_size * d * 4;
+    let block = (12 * d * d + 13 * d) * 4;
+    let largest_two = embedding + block;
+    let steps = spawn_ranks(RANKS, |g: LocalGroup| {
+        let rank = g.rank();
+        kiln::shard::account::attribute_to_rank(rank);
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        // The same step of an unsharded model on this thread: activations and whole gradients.
+        let plain = {
+            let model = cfg.init::<B>(&Default::default());
+            let mut optim =
+                ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Gpt2<B>>());
+            let (model, _) = step(model, &mut optim, rank, 0);
+            step(model, &mut optim, rank, 1).1
+        };
+        let model = cfg.init::<B>(&Default::default());
+        // Buckets of 256 KiB, so that reduction buffers stay small beside the model.
+        let config = ShardConfig::new(Strategy::Zero3).with_bucket_bytes(256 << 10);
+        let model = shard(model, group, config).unwrap();
+        let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Gpt2<B>>());
+        // The first step creates the optimizer state; the second is measured.
+        let (model, _) = step(model, &mut optim, rank, 0);
+        let (model, s) = step(model, &mut optim, rank, 1);
+        let optimizer = record_bytes::<B, _>(optim.to_record());
+        drop(model);
+        (s, optimizer, plain)
+    });
+    for (rank, (s, optimizer, plain)) in steps.iter().enumerate() {
+        println!(
+            "rank {rank}: live before the step {} B (parameter shards {} B, AdamW state {} B); \
+             peak during the step {} B: gathered parameters {} B, reduced gradients and \
+             buffers {} B, everything else (activations, gradients, temporaries) {} B; whole \
+             parameters alive after forward {} B, after backward {} B",
+            s.live_before,
+            s.shards,
+            optimizer,
+            s.peak,
+            s.gathered_peak,
+            s.comm_peak,
+            s.other_peak,
+            s.gathered_after_forward,
+            s.gathered_after_backward
+        );
+        // "Gathered on use, dropped after": nothing gathered outlives forward (a tied head's
+        // transposed weight or a LayerNorm's reshaped scale used to be kept for backward).
+        assert_eq!(s.gathered_after_forward, 0, "rank {rank}: {s:?}");
+        assert_eq!(s.gathered_after_backward, 0, "rank {rank}: {s:?}");
+        // At any moment at most the parameters of the two largest layers are whole.
+        assert!(
+            s.gathered_peak <= largest_two,
+            "rank {rank}: {} B of gathered parameters at once, bound {largest_two} B",
+            s.gathered_peak
+        );
+        // The step's peak: what the rank held before (shards, optimizer state), plus what the
+        // same step of the unsharded model adds (its activations and whole gradients, measured
+        // on this thread), plus the parameters of the two largest layers whole, plus the
+        // reduction's buffers.
+        let activations = plain.peak - plain.live_before;
+        let bound = s.live_before + activations + largest_two + s.comm_peak;
+        println!(
+            "rank {rank}: peak {} B <= shards and state {} B + unsharded step's activations and \
+             gradients {activations} B + two largest layers {largest_two} B + reduction buffers \
+             {} B = {bound} B",
+            s.peak, s.live_before, s.comm_peak
+        );
+        assert!(
+            s.peak <= bound,
+            "rank {rank}: peak {} B, bound {bound} B",
+            s.peak
+        );
+    }
+}
