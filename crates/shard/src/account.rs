@@ -252,8 +252,8 @@ impl RankMemory {
         }
         let now = RankMemory::of(rank);
         RANK_PEAK[rank].store(now.total(), Relaxed);
-        for k in 0..KINDS {
-            RANK_KIND_PEAK[rank][k].store(now.live[k], Relaxed);
+        for (peak, live) in RANK_KIND_PEAK[rank].iter().zip(now.live) {
+            peak.store(live, Relaxed);
         }
     }
     /// Whether [`RankAlloc`] is the global allocator (it has counted an allocation).

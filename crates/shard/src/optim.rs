@@ -328,11 +328,16 @@ where
 {
     use crate::tensor::same_group;
     use kiln_comm::{ProcessGroup, ReduceOp};
+    /// Partial sums of squares over one group.
+    type Partials<B> = (
+        Arc<dyn ProcessGroup>,
+        Vec<burn_backend::tensor::FloatTensor<B>>,
+    );
     /// Sums of squares of whole gradients, and of shards per group.
     struct SumSquares<'a, B: Backend> {
         grads: &'a GradientsParams,
         whole: Vec<B::FloatTensorPrimitive>,
-        sharded: Vec<(Arc<dyn ProcessGroup>, Vec<B::FloatTensorPrimitive>)>,
+        sharded: Vec<Partials<B>>,
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB>
         for SumSquares<'_, B>

@@ -118,15 +118,14 @@ fn a_sharded_model_moves_to_another_thread() {
         .unwrap();
         // Three steps here, then the model (and its optimizer's job) on a new thread.
         let model = fit(model, &group, 0..3);
-        let moved = std::thread::scope(|s| {
+        std::thread::scope(|s| {
             s.spawn(|| {
                 let model = fit(model, &group, 3..STEPS);
                 params::<Flex, _>(&model)
             })
             .join()
             .expect("the moved model trains")
-        });
-        moved
+        })
     });
     // Reference: one device, unsharded, the whole batch, the same two optimizers (a fresh
     // AdamW at step 3, as on the ranks).
