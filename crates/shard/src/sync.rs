@@ -421,9 +421,7 @@ where
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleMapper<AB> for Write<'_, B> {
         fn map_float<const D: usize>(&mut self, p: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
-            let selected = self.indices.contains(&self.at);
-            self.at += 1;
-            if !selected {
+            if !self.selected() {
                 return p;
             }
             let (id, tensor, mapper) = p.consume();
@@ -443,40 +441,44 @@ where
             &mut self,
             p: Param<Tensor<AB, D, Int>>,
         ) -> Param<Tensor<AB, D, Int>> {
-            let selected = self.indices.contains(&self.at);
-            self.at += 1;
-            if !selected {
+            if !self.selected() {
                 return p;
             }
             let (id, tensor, mapper) = p.consume();
             let shape = tensor.shape();
-            let n = shape.num_elements();
-            let values = self.ints[self.int_at..self.int_at + n].to_vec();
-            self.int_at += n;
-            let device = tensor.device();
-            let t = Tensor::<AB, D, Int>::from_data(TensorData::new(values, shape), &device);
+            let values = self.ints(shape.num_elements()).to_vec();
+            let t = Tensor::from_data(TensorData::new(values, shape), &tensor.device());
             Param::from_mapped_value(id, t, mapper)
         }
         fn map_bool<const D: usize>(
             &mut self,
             p: Param<Tensor<AB, D, Bool>>,
         ) -> Param<Tensor<AB, D, Bool>> {
-            let selected = self.indices.contains(&self.at);
-            self.at += 1;
-            if !selected {
+            if !self.selected() {
                 return p;
             }
             let (id, tensor, mapper) = p.consume();
             let shape = tensor.shape();
-            let n = shape.num_elements();
-            let values: Vec<bool> = self.ints[self.int_at..self.int_at + n]
+            let values: Vec<bool> = self
+                .ints(shape.num_elements())
                 .iter()
                 .map(|&v| v != 0)
                 .collect();
-            self.int_at += n;
-            let device = tensor.device();
-            let t = Tensor::<AB, D, Bool>::from_data(TensorData::new(values, shape), &device);
+            let t = Tensor::from_data(TensorData::new(values, shape), &tensor.device());
             Param::from_mapped_value(id, t, mapper)
+        }
+    }
+    impl<B> Write<'_, B> {
+        /// Whether the next tensor (module order) is in the bucket.
+        fn selected(&mut self) -> bool {
+            let selected = self.indices.contains(&self.at);
+            self.at += 1;
+            selected
+        }
+        /// The next `n` received ints.
+        fn ints(&mut self, n: usize) -> &[i64] {
+            self.int_at += n;
+            &self.ints[self.int_at - n..self.int_at]
         }
     }
     Ok(module.map(&mut Write::<B> {

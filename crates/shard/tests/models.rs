@@ -195,3 +195,63 @@ fn an_ema_copy_of_a_zero3_model() {
         "the EMA lags the model"
     );
 }
+
+/// Buffers too: int and bool parameters (and frozen float ones) become rank 0's.
+#[derive(Module, Debug)]
+struct Buffers<B: burn::tensor::backend::Backend> {
+    weight: Param<Tensor<B, 2>>,
+    frozen: Param<Tensor<B, 1>>,
+    counts: Param<Tensor<B, 1, burn::tensor::Int>>,
+    mask: Param<Tensor<B, 2, burn::tensor::Bool>>,
+}
+
+#[test]
+fn buffers_become_rank_0_s() {
+    use burn::tensor::TensorData;
+    for strategy in [Strategy::Ddp, Strategy::Zero3] {
+        let seen = spawn_ranks(3, |g: LocalGroup| {
+            let device = Default::default();
+            let r = g.rank();
+            let m = Buffers::<B> {
+                weight: Param::from_tensor(Tensor::from_data(
+                    TensorData::new(vec![r as f32; 6], [2, 3]),
+                    &device,
+                )),
+                frozen: Param::from_tensor(Tensor::from_data([r as f32 + 0.5; 4], &device))
+                    .set_require_grad(false),
+                counts: Param::initialized(
+                    burn::module::ParamId::new(),
+                    Tensor::<B, 1, burn::tensor::Int>::from_data(
+                        [r as i64, 7, r as i64 * 3],
+                        &device,
+                    ),
+                ),
+                mask: Param::initialized(
+                    burn::module::ParamId::new(),
+                    Tensor::<B, 2, burn::tensor::Bool>::from_data(
+                        TensorData::new(vec![r == 1, true, r == 2, false], [2, 2]),
+                        &device,
+                    ),
+                ),
+            };
+            let m = shard(m, Arc::new(g), ShardConfig::new(strategy)).unwrap();
+            (
+                m.weight.val().into_data().to_vec::<f32>().unwrap(),
+                m.frozen.val().into_data().to_vec::<f32>().unwrap(),
+                m.counts
+                    .val()
+                    .into_data()
+                    .convert::<i64>()
+                    .to_vec::<i64>()
+                    .unwrap(),
+                m.mask.val().into_data().to_vec::<bool>().unwrap(),
+            )
+        });
+        for s in &seen {
+            assert_eq!(s.0, vec![0.0; 6], "{strategy}");
+            assert_eq!(s.1, vec![0.5; 4], "{strategy}");
+            assert_eq!(s.2, vec![0, 7, 0], "{strategy}");
+            assert_eq!(s.3, vec![false, true, false, false], "{strategy}");
+        }
+    }
+}
