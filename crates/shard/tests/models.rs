@@ -255,3 +255,33 @@ fn buffers_become_rank_0_s() {
         }
     }
 }
+
+/// The opt-out: `InitSync::Verify` sends nothing but fingerprints; equal weights pass, and a
+/// parameter that differs is named with the rank.
+#[test]
+fn verify_names_the_first_parameter_that_differs() {
+    use kiln_shard::InitSync;
+    let outcomes = spawn_ranks(3, |g: LocalGroup| {
+        let device = Default::default();
+        let rank = g.rank();
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let config = ShardConfig::new(Strategy::Zero3).with_init(InitSync::Verify);
+        let equal = shard(Mlp::<B>::new(&device), group.clone(), config.clone()).is_ok();
+        // Rank 2 perturbs the second layer's weight.
+        let mut values = params::<Flex, _>(&Mlp::<B>::new(&device));
+        if rank == 2 {
+            values[2][0] += 1.0;
+        }
+        let model = with_values(Mlp::<B>::new(&device), &values);
+        let differs = shard(model, group, config).err().map(|e| e.to_string());
+        (equal, differs)
+    });
+    for (equal, differs) in outcomes {
+        assert!(equal);
+        let msg = differs.expect("an error on every rank");
+        assert!(
+            msg.contains("parameter 'b.weight' (#2) differs between rank 0 and rank 2"),
+            "{msg}"
+        );
+    }
+}
