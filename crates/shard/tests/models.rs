@@ -285,3 +285,39 @@ fn verify_names_the_first_parameter_that_differs() {
         );
     }
 }
+
+/// Global-norm clipping of a sharded model's gradients: one all-reduce, whatever the number of
+/// parameters, and the norm one device computes.
+#[test]
+fn clip_grad_norm_is_one_all_reduce() {
+    use kiln_comm::OpKind;
+    let device = Default::default();
+    let (x, y) = data::<B>(7, 0..ROWS, 0, &device);
+    let model = Mlp::<B>::new(&device);
+    let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+    let (_, single) = kiln_shard::clip_grad_norm(&model, grads, 1e-3);
+    let results = spawn_ranks(2, |g: LocalGroup| {
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let model = shard(
+            Mlp::<B>::new(&device),
+            group.clone(),
+            ShardConfig::new(Strategy::Zero3),
+        )
+        .unwrap();
+        let (x, y) = data::<B>(7, rows(Some(&group)), 0, &device);
+        let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+        let before = group.stats();
+        let (_, norm) = kiln_shard::clip_grad_norm(&model, grads, 1e-3);
+        (
+            norm,
+            group.stats().since(&before).get(OpKind::AllReduce).calls,
+        )
+    });
+    for (norm, calls) in results {
+        assert_eq!(calls, 1);
+        assert!(
+            ((norm - single) / single).abs() < 1e-5,
+            "{norm} vs {single}"
+        );
+    }
+}
