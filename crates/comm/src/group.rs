@@ -7,6 +7,7 @@
 
 use crate::dtype::{BufMut, BufRef, DType, Element, ReduceOp, bytes_as, reduce_into};
 use crate::error::{CommError, OpContext, OpKind, Result};
+use crate::hash::Fnv1a;
 use crate::shard::shard_range;
 use crate::stats::{CommStats, Counters};
 use crate::transport::{Header, Lane, Message, RecvError, Transport};
@@ -132,16 +133,14 @@ struct CoreState {
     poisoned: Option<String>,
 }
 
-/// FNV-1a, for group ids that every member derives alike without communicating.
-fn fnv(parts: &[u64]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for b in p.to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
+/// A group id that every member derives alike without communicating: FNV-1a of the parts'
+/// little-endian bytes.
+fn group_id(parts: &[u64]) -> u64 {
+    let mut h = Fnv1a::new();
+    for &p in parts {
+        h.write_u64(p);
     }
-    h
+    h.finish()
 }
 
 impl GroupCore {
@@ -150,7 +149,7 @@ impl GroupCore {
         let members = (0..transport.world_size()).collect();
         let rank = transport.rank();
         GroupCore {
-            id: fnv(&[0x0077_6f72_6c64]),
+            id: group_id(&[0x0077_6f72_6c64]),
             name: options.name,
             members,
             rank,
@@ -288,7 +287,7 @@ impl GroupCore {
         parts.extend(globals.iter().map(|&g| g as u64));
         Ok(GroupCore {
             transport: self.transport.clone(),
-            id: fnv(&parts),
+            id: group_id(&parts),
             name: name.to_string(),
             members: globals,
             rank: me,

@@ -8,6 +8,7 @@
 //! zeros for biases, ones for normalisation gains.
 
 use crate::data::mix;
+use kiln_comm::hash::fnv1a;
 use kiln_shard::pieces::held_range;
 use kiln_shard::{Shard, ShardTensor};
 use std::f64::consts::TAU;
@@ -49,12 +50,6 @@ where
     kiln_shard::pieces::map_params::<B, AB, M>(model, |path, t: &ShardTensor<B>| {
         use burn::tensor::TensorMetadata;
         values(seed, path, t.shape().num_dims(), held_range(t))
-    })
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
 }
 
