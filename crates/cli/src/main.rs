@@ -6,8 +6,12 @@
 //!   `kiln-train`); `kiln export RUN --out DIR` writes a snapshot as a Hugging Face directory.
 //! - `kiln comm-check [--backend tcp|nccl]` verifies every collective on the job it runs in
 //!   (start it under `kiln launch`, torchrun, srun or mpirun).
+//!
+//! A command's output goes to stdout, errors and the libraries' `tracing` diagnostics to stderr
+//! (filter: `KILN_LOG`, else `RUST_LOG`, else kiln's crates at `info`).
 
 mod launch;
+mod progress;
 mod shard_check;
 mod train;
 mod verify_hf;
@@ -15,7 +19,9 @@ mod verify_hf;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kiln_comm::{ProcessGroup, ReduceOp, TcpGroup, selftest};
+use std::io::IsTerminal;
 use std::time::{Duration, Instant};
+use tracing_subscriber::EnvFilter;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -88,6 +94,25 @@ fn comm_check(args: &CommCheckArgs) -> Result<()> {
     Ok(())
 }
 
+/// The log filter when neither `KILN_LOG` nor `RUST_LOG` is set: kiln's crates at `info`,
+/// everything else (Burn, CubeCL) at `warn`.
+const DEFAULT_LOG: &str = "warn,kiln=info,kiln_comm=info,kiln_shard=info,kiln_train=info,\
+                           kiln_hf=info,kiln_gpt2=info,kiln_llama=info,kiln_zoo=info";
+
+/// Diagnostics (the libraries' `tracing` events) go to stderr, filtered by `KILN_LOG`, else
+/// `RUST_LOG` (`kiln_comm=debug`, `warn`, ...), else [`DEFAULT_LOG`]; colours only on a terminal.
+/// The commands' own output (progress, summaries, reports) is printed to stdout.
+fn init_logging() {
+    let directives = std::env::var("KILN_LOG")
+        .or_else(|_| std::env::var("RUST_LOG"))
+        .unwrap_or_else(|_| DEFAULT_LOG.to_string());
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::builder().parse_lossy(directives))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
 fn main() {
     // Die quietly when the reader of our output goes away (`kiln train | head`), as Unix tools
     // do, instead of panicking on a broken pipe.
@@ -96,6 +121,7 @@ fn main() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    init_logging();
     let code = match &cli.command {
         Command::Train(args) => match train::train(args) {
             Ok(()) => 0,

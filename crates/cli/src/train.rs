@@ -1,8 +1,9 @@
 //! `kiln train` and `kiln export`: the training job (see `kiln-train`) from the command line.
 
+use crate::progress::Console;
 use anyhow::{Result, bail};
 use kiln_comm::{GroupOptions, ProcessGroup, TcpGroup};
-use kiln_train::{Recipe, RunOptions, train_rank};
+use kiln_train::{Recipe, RunOptions, train_rank_with};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -101,14 +102,21 @@ fn rank_on_device(
     device: &str,
     local_rank: usize,
 ) -> kiln_train::Result<kiln_train::Summary> {
+    // Rank 0 prints the run's progress and summary; the other ranks' consoles stay unused.
+    let console = &mut Console::new();
     match device {
-        "cpu" => {
-            train_rank::<burn::backend::Flex>(recipe, group, launched, options, &Default::default())
-        }
+        "cpu" => train_rank_with::<burn::backend::Flex>(
+            recipe,
+            group,
+            launched,
+            options,
+            &Default::default(),
+            console,
+        ),
         #[cfg(feature = "cuda")]
         "cuda" => {
             let device = burn::backend::cuda::CudaDevice::new(local_rank);
-            train_rank::<kiln::Cuda>(recipe, group, launched, options, &device)
+            train_rank_with::<kiln::Cuda>(recipe, group, launched, options, &device, console)
         }
         other => {
             let _ = local_rank;
@@ -121,7 +129,7 @@ fn rank_on_device(
 
 pub fn train(args: &TrainArgs) -> Result<()> {
     if args.print_recipe {
-        print!("{}", kiln_train::DEFAULT_TOML);
+        println!("{}", kiln_train::DEFAULT_TOML.trim_end());
         return Ok(());
     }
     let recipe = Recipe::load(args.recipe.as_deref(), &args.overrides())?;

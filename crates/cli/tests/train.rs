@@ -201,6 +201,50 @@ fn fails_with(args: Vec<String>, needles: &[&str]) {
     );
 }
 
+/// Runs `kiln ARGS`, expecting a failure on whose stderr every `needle` occurs exactly once: an
+/// error's message and each of its causes are printed once.
+fn fails_once_with(args: Vec<String>, needles: &[&str]) {
+    let out = Command::new(KILN).args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out));
+    for n in needles {
+        assert_eq!(err.matches(n).count(), 1, "{args:?}: {n:?} once in:\n{err}");
+    }
+}
+
+#[test]
+fn an_error_and_its_cause_are_printed_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    fails_once_with(
+        train_args(&run, 2, 0, &["--data", "/no/such/corpus.txt"]),
+        &[
+            "error:",
+            "cannot read the data file /no/such/corpus.txt",
+            "/no/such/corpus.txt",
+            "No such file or directory",
+        ],
+    );
+
+    let mut c = Command::new(KILN);
+    c.args(train_args(&run, 2, 0, &[]));
+    run_ok(c);
+    let file = run.join("snapshots/step-00000002/rank-00000.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x01;
+    std::fs::write(&file, bytes).unwrap();
+    fails_once_with(
+        train_args(&run, 4, 0, &["--resume"]),
+        &[
+            "error:",
+            &format!("{} is corrupted", file.display()),
+            "CRC32",
+            "Delete",
+        ],
+    );
+}
+
 #[test]
 fn bad_inputs_are_named() {
     let dir = tempfile::tempdir().unwrap();

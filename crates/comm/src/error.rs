@@ -165,8 +165,8 @@ pub enum CommError {
     /// CUDA or NCCL is unavailable or returned an error.
     #[error("nccl: {0}")]
     Nccl(String),
-    /// An I/O error outside any collective.
-    #[error("{context}: {source}")]
+    /// An I/O error outside any collective (the operating system's error is the source).
+    #[error("{context}")]
     Io {
         /// What was being done.
         context: String,

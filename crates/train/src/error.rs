@@ -1,4 +1,8 @@
 //! kiln-train's errors: what is wrong, named, with the numbers.
+//!
+//! A variant that wraps another error says what failed and exposes the cause as its
+//! [`source`](std::error::Error::source), without repeating it in its own message: printing the
+//! chain (anyhow's `{:#}`, as the `kiln` command does) shows each part once.
 
 use kiln_comm::CommError;
 use kiln_hf::HfError;
@@ -26,8 +30,9 @@ pub enum TrainError {
     /// The loss stopped being finite.
     #[error("{0}")]
     Diverged(String),
-    /// A file or directory that cannot be read or written.
-    #[error("{what}: {source}")]
+    /// A file or directory that cannot be read or written (the operating system's error is
+    /// the source).
+    #[error("{what}")]
     Io {
         /// What was being done, with the path.
         what: String,
@@ -44,8 +49,8 @@ pub enum TrainError {
     /// A Hugging Face checkpoint could not be read or written.
     #[error(transparent)]
     Hf(#[from] HfError),
-    /// One rank's failure, in a run of several.
-    #[error("rank {rank} failed: {source}")]
+    /// One rank's failure, in a run of ranks as threads (its error is the source).
+    #[error("rank {rank} failed")]
     Rank {
         /// The rank.
         rank: usize,

@@ -5,6 +5,8 @@
 //! - [`Recipe`]: the run's settings (TOML plus `key=value` overrides; unknown keys are errors).
 //! - [`data`]: byte-level corpora, including a synthetic one whose best achievable loss is known.
 //! - [`train_rank`]: one rank's training loop; [`train_threads`] runs N ranks as threads.
+//! - [`report`]: what a run tells the person watching it, as events; the library prints nothing
+//!   (it logs through `tracing`), the `kiln` command draws them as a bar or lines.
 //! - [`snapshot`]: per-rank pieces and a manifest, written atomically, read at any layout.
 //! - [`export()`]: a snapshot as one Hugging Face directory (`config.json`, `model.safetensors`).
 //!
@@ -22,9 +24,10 @@ pub mod data;
 mod error;
 mod export;
 pub mod init;
+pub mod metrics;
 mod model;
-pub mod progress;
 mod recipe;
+pub mod report;
 mod run;
 pub mod snapshot;
 
@@ -34,7 +37,7 @@ pub use model::{BYTE_VOCAB, ModelSpec};
 pub use recipe::{
     DEFAULT_TOML, DataRecipe, ModelRecipe, OutputRecipe, ParallelRecipe, Recipe, TrainRecipe,
 };
-pub use run::{RunOptions, Summary, Train, lr_at, train_rank, validation_batches};
+pub use run::{RunOptions, Summary, Train, lr_at, train_rank, train_rank_with, validation_batches};
 
 use kiln_comm::{LocalGroup, spawn_ranks};
 use std::sync::Arc;
@@ -88,6 +91,33 @@ mod tests {
     use super::*;
     use kiln_comm::{CommError, OpContext, OpKind};
 
+    /// The error and its sources, as anyhow's `{:#}` prints them.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut parts = vec![e.to_string()];
+        let mut next = e.source();
+        while let Some(s) = next {
+            parts.push(s.to_string());
+            next = s.source();
+        }
+        parts.join(": ")
+    }
+
+    #[test]
+    fn each_cause_is_named_once_in_the_chain() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = TrainError::Rank {
+            rank: 0,
+            source: Box::new(TrainError::Io {
+                what: "cannot read the data file /x".into(),
+                source: io,
+            }),
+        };
+        assert_eq!(
+            chain(&e),
+            "rank 0 failed: cannot read the data file /x: no such file"
+        );
+    }
+
     #[test]
     fn the_root_cause_wins_over_a_peer_that_saw_it_leave() {
         let lost = || -> Result<()> {
@@ -105,13 +135,10 @@ mod tests {
         };
         let full = || Err(TrainError::Snapshot("disk full".into()));
         let e = rank_zero_or_root_cause(vec![lost(), full()]).unwrap_err();
-        assert_eq!(e.to_string(), "rank 1 failed: disk full");
+        assert_eq!(chain(&e), "rank 1 failed: disk full");
         let e = rank_zero_or_root_cause(vec![Ok(()), lost()]).unwrap_err();
         assert!(e.is_peer_failure());
-        assert!(
-            e.to_string().starts_with("rank 1 failed: all_reduce #3"),
-            "{e}"
-        );
+        assert!(chain(&e).starts_with("rank 1 failed: all_reduce #3"), "{e}");
         assert!(rank_zero_or_root_cause(vec![Ok(1), Ok(2)]).unwrap() == 1);
     }
 }

@@ -7,12 +7,14 @@
 //! snapshot must hold per-rank pieces that reshard, which burn-train's `FileCheckpointer` (one
 //! record file per component) cannot express. The user-facing parts are kept: a progress display
 //! with loss, learning rate, throughput and ETA, a metrics log (JSONL rather than burn-train's
-//! per-metric files), periodic validation, snapshots with resume, and a final summary.
+//! per-metric files), periodic validation, snapshots with resume, and a final summary; rank 0
+//! hands them to a [`Report`] as events.
 
 use crate::data::{Corpus, SplitMix64, batch, mix};
 use crate::error::{IoContext, Result, TrainError, fail};
+use crate::metrics::Metrics;
 use crate::model::ModelSpec;
-use crate::progress::{Progress, clock, human};
+use crate::report::{Event, Log, Report, Resumed, RunInfo, Silent, StepStats};
 use crate::snapshot::{self, Meta, Part, Snapshot};
 use crate::{Recipe, init};
 use burn::backend::Autodiff;
@@ -28,9 +30,10 @@ use burn::tensor::{DType, Int, Tensor, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
 use kiln_hf::{CausalLm, GenerateConfig, Pretrained, Sampling, causal_lm_loss, generate};
-use kiln_shard::pieces::{self, held_range, optimizer_state_group};
+use kiln_shard::optimizer_state_group;
+use kiln_shard::pieces::{self, held_range};
 use kiln_shard::{Shard, ShardConfig, ShardTensor, ShardedOptimizer, clip_grad_norm};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Autodiff over kiln's sharding decorator over `B`.
@@ -72,7 +75,8 @@ const M1_PREFIX: &str = "adamw.m1/";
 const M2_PREFIX: &str = "adamw.m2/";
 
 /// Trains the recipe's model as one rank of `group` (every rank calls it). `launched`: the
-/// world size comes from a launcher (checked against `parallel.world_size`).
+/// world size comes from a launcher (checked against `parallel.world_size`). Rank 0 reports
+/// through `tracing` ([`Log`]).
 ///
 /// # Errors
 /// Bad settings for this world size, a missing data file, a snapshot that does not fit, a
@@ -83,6 +87,28 @@ pub fn train_rank<B: Backend>(
     launched: bool,
     options: RunOptions,
     device: &B::Device,
+) -> Result<Summary> {
+    train_rank_with::<B>(
+        recipe,
+        group,
+        launched,
+        options,
+        device,
+        &mut Log::default(),
+    )
+}
+
+/// [`train_rank`], with rank 0's events going to `report` (other ranks never call it).
+///
+/// # Errors
+/// As [`train_rank`].
+pub fn train_rank_with<B: Backend>(
+    recipe: &Recipe,
+    group: Arc<dyn ProcessGroup>,
+    launched: bool,
+    options: RunOptions,
+    device: &B::Device,
+    report: &mut dyn Report,
 ) -> Result<Summary> {
     recipe.check_world(group.world_size(), launched)?;
     let spec = ModelSpec::from_recipe(&recipe.model)?;
@@ -102,6 +128,7 @@ pub fn train_rank<B: Backend>(
             group,
             options,
             device,
+            report,
         ),
         ModelSpec::Llama(c) => run::<B, kiln_llama::Llama<Train<B>>>(
             recipe,
@@ -110,6 +137,7 @@ pub fn train_rank<B: Backend>(
             group,
             options,
             device,
+            report,
         ),
     }
 }
@@ -139,6 +167,7 @@ fn run<B, M>(
     group: Arc<dyn ProcessGroup>,
     options: RunOptions,
     device: &B::Device,
+    report: &mut dyn Report,
 ) -> Result<Summary>
 where
     B: Backend,
@@ -146,6 +175,8 @@ where
     M::InnerModule: CausalLm<Shard<B>>,
 {
     let (rank, world) = (group.rank(), group.world_size());
+    let mut silent = Silent;
+    let report: &mut dyn Report = if rank == 0 { report } else { &mut silent };
     let t = &recipe.train;
     let strategy = recipe.strategy()?;
     let out = &recipe.output.dir;
@@ -237,47 +268,35 @@ where
         }
     };
 
-    let mut progress = Progress::new(
-        rank == 0,
-        t.steps,
-        first_step,
-        recipe.output.progress_lines,
-        &out.join("metrics.jsonl"),
-    )?;
+    let mut metrics = Metrics::new(rank == 0, first_step, &out.join("metrics.jsonl"))?;
     let tokens_per_step = t.batch_size * t.seq_len;
-    progress.say(&format!(
-        "kiln train: {} with {} parameters, {strategy} on {world} rank(s), {} tokens per step",
-        spec.kind(),
-        human(model.num_params() as f64),
-        tokens_per_step
-    ));
-    progress.say(&format!(
-        "data: {}; unigram entropy {:.3} nats{}",
-        corpus.description,
-        corpus.unigram_entropy,
-        corpus
-            .floor
-            .map(|f| format!(", best achievable loss {f:.3} nats"))
-            .unwrap_or_default()
-    ));
-    match &resume_from {
-        Some(s) => progress.say(&format!(
-            "resuming from {} (step {} of {}, written by {} rank(s) under {})",
-            s.dir().display(),
-            first_step,
-            t.steps,
-            s.manifest.meta.world_size,
-            s.manifest.meta.strategy
-        )),
-        None => progress.say(&format!("output: {}", out.display())),
-    }
+    let last_step = options.stop_after.map_or(t.steps, |s| s.min(t.steps));
+    report.report(Event::Started(&RunInfo {
+        model_kind: spec.kind().into(),
+        params: model.num_params(),
+        strategy: strategy.to_string(),
+        world_size: world,
+        tokens_per_step,
+        data: corpus.description.clone(),
+        unigram_entropy: corpus.unigram_entropy,
+        floor: corpus.floor,
+        resumed: resume_from.as_ref().map(|s| Resumed {
+            dir: s.dir().to_path_buf(),
+            world_size: s.manifest.meta.world_size,
+            strategy: s.manifest.meta.strategy.clone(),
+        }),
+        out: out.clone(),
+        first_step,
+        last_step,
+        total_steps: t.steps,
+        progress_lines: recipe.output.progress_lines,
+    }));
 
     let mut losses = Vec::new();
     let mut val_loss = None;
     let mut last_snapshot = None;
     let mut evaluated_at = None;
     drop(resume_from);
-    let last_step = options.stop_after.map_or(t.steps, |s| s.min(t.steps));
     for step in first_step + 1..=last_step {
         let lr = lr_at(t, step);
         let b = batch(
@@ -308,22 +327,33 @@ where
             );
         }
         losses.push(loss);
-        progress.record(serde_json::json!({
+        let (tokens_per_s, elapsed_s) = (
+            metrics.tokens_per_s(step, tokens_per_step),
+            metrics.elapsed(),
+        );
+        metrics.record(serde_json::json!({
             "step": step,
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens_per_s": progress.tokens_per_s(step, tokens_per_step),
-            "elapsed_s": progress.elapsed(),
+            "tokens_per_s": tokens_per_s,
+            "elapsed_s": elapsed_s,
         }))?;
-        progress.step(step, loss, lr, tokens_per_step);
+        report.report(Event::Step(&StepStats {
+            step,
+            loss,
+            lr,
+            tokens_per_s,
+            elapsed_s,
+            eta_s: elapsed_s / (step - first_step) as f64 * (t.steps - step) as f64,
+        }));
 
         if t.eval_every > 0 && step.is_multiple_of(t.eval_every) || step == last_step {
             val_loss = evaluate::<B, M>(&model, &corpus, recipe, group.as_ref(), device)?;
             evaluated_at = Some(step);
             if let Some(v) = val_loss {
-                progress.record(serde_json::json!({"step": step, "val_loss": v}))?;
-                progress.say(&format!("step {step}: validation loss {v:.4}"));
+                metrics.record(serde_json::json!({"step": step, "val_loss": v}))?;
+                report.report(Event::Validated { step, loss: v });
             }
         }
         let every = recipe.output.snapshot_every;
@@ -339,7 +369,7 @@ where
                 recipe: recipe.to_toml(),
             };
             let dir = save::<B, M>(&model, &optim, &meta, group.as_ref(), recipe)?;
-            progress.say(&format!("step {step}: snapshot {}", dir.display()));
+            report.report(Event::Saved { step, dir: &dir });
             last_snapshot = Some(dir);
         }
     }
@@ -364,7 +394,7 @@ where
     });
 
     let steps_run = last_step.saturating_sub(first_step);
-    let tokens_per_s = progress.tokens_per_s(first_step + steps_run, tokens_per_step);
+    let tokens_per_s = metrics.tokens_per_s(first_step + steps_run, tokens_per_step);
     let summary = Summary {
         first_step,
         last_step: last_step.max(first_step),
@@ -374,49 +404,11 @@ where
         snapshot: last_snapshot,
         losses,
     };
-    if rank == 0 {
-        print_summary(&summary, &corpus, progress.elapsed(), out);
-    }
+    report.report(Event::Finished {
+        summary: &summary,
+        elapsed_s: metrics.elapsed(),
+    });
     Ok(summary)
-}
-
-fn print_summary(s: &Summary, corpus: &Corpus, elapsed: f64, out: &Path) {
-    println!("---");
-    if s.losses.is_empty() {
-        println!(
-            "no steps to run: the snapshot is at step {} (raise train.steps to continue)",
-            s.first_step
-        );
-    } else {
-        println!(
-            "trained steps {}..{} in {} ({} tok/s)",
-            s.first_step + 1,
-            s.last_step,
-            clock(elapsed),
-            human(s.tokens_per_s)
-        );
-    }
-    if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {
-        println!("training loss {first:.4} -> {last:.4}");
-    }
-    if let Some(v) = s.val_loss {
-        let reference = match corpus.floor {
-            Some(f) => format!(
-                " (unigram entropy {:.3}, best achievable {f:.3}: {:.0}% of the learnable gap closed)",
-                corpus.unigram_entropy,
-                100.0 * (corpus.unigram_entropy - v) / (corpus.unigram_entropy - f)
-            ),
-            None => format!(" (unigram entropy {:.3})", corpus.unigram_entropy),
-        };
-        println!("validation loss {v:.4}{reference}");
-    }
-    if let Some(dir) = &s.snapshot {
-        println!("snapshot: {}", dir.display());
-    }
-    println!("metrics: {}", out.join("metrics.jsonl").display());
-    if let Some(sample) = &s.sample {
-        println!("sample (prompt|generated):\n{sample}");
-    }
 }
 
 fn tensors<AB: Backend>(
@@ -484,12 +476,12 @@ where
 /// The part of `t` this rank writes: its range split among the ranks holding the same values.
 fn part_of<B: Backend>(name: String, t: &ShardTensor<B>, world: usize, rank: usize) -> Part {
     let (copies, copy) = match t {
-        ShardTensor::Local(_) => (world, rank),
         ShardTensor::Sharded(s) => {
             // Sharding groups are consecutive ranks (DeviceMesh: dp_shard inside dp_replicate).
             let size = s.group.world_size();
             (world / size, rank / size)
         }
+        _ => (world, rank),
     };
     let piece = pieces::piece(t);
     let held = piece.range.clone();
@@ -662,7 +654,7 @@ where
         path: Vec::new(),
         snap,
         time,
-        group: optimizer_state_group::<B>(),
+        group: optimizer_state_group(model),
         device,
         record: HashMap::new(),
         error: None,

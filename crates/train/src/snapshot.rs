@@ -237,8 +237,8 @@ pub fn save(
                 f.sync_all()
             })
             .io(|| format!("cannot write {}", path.display()))?;
-        eprintln!(
-            "kiln: KILN_TEST_ABORT_IN_SNAPSHOT: aborting while writing {}",
+        tracing::warn!(
+            "KILN_TEST_ABORT_IN_SNAPSHOT: aborting while writing {}",
             path.display()
         );
         std::process::abort();
@@ -548,12 +548,12 @@ impl Snapshot {
         if bytes.len() as u64 != expected.bytes || crc != expected.crc32 {
             fail!(
                 Snapshot,
-                "snapshot file {} is corrupted: {} bytes with CRC32 {crc:08x}, the manifest says {} \
-                 bytes with CRC32 {:08x}. Delete {} to resume from an earlier snapshot",
+                "snapshot file {} is corrupted: CRC32 {crc:08x} over {} bytes where the manifest \
+                 says {:08x} over {} bytes. Delete {} to resume from an earlier snapshot",
                 path.display(),
                 bytes.len(),
-                expected.bytes,
                 expected.crc32,
+                expected.bytes,
                 self.dir.display()
             );
         }

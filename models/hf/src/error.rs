@@ -14,8 +14,8 @@ pub enum HfError {
         /// What the file is for.
         what: &'static str,
     },
-    /// Reading or writing a file failed.
-    #[error("cannot {op} {}: {source}", path.display())]
+    /// Reading or writing a file failed (the operating system's error is the source).
+    #[error("cannot {op} {}", path.display())]
     Io {
         /// `read` or `write`.
         op: &'static str,
@@ -25,8 +25,9 @@ pub enum HfError {
         #[source]
         source: std::io::Error,
     },
-    /// `config.json` is not valid JSON or lacks a required field.
-    #[error("invalid config {}: {source}", path.display())]
+    /// `config.json` is not valid JSON or lacks a required field (the parser's error is the
+    /// source).
+    #[error("invalid config {}", path.display())]
     ConfigParse {
         /// The config file.
         path: PathBuf,
