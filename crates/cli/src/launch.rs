@@ -91,6 +91,33 @@ fn pump(
     })
 }
 
+/// The program each rank runs. A path with a directory part (`target/release/kiln`,
+/// `./train`) is made absolute against the launcher's working directory, so that it names the
+/// same file whatever a rank does with its own; a bare name (`python3`) is looked up on `PATH`.
+fn resolve_program(program: &str) -> Result<std::path::PathBuf> {
+    let path = std::path::Path::new(program);
+    if path.is_absolute() || path.components().count() < 2 {
+        return Ok(path.to_path_buf());
+    }
+    Ok(std::env::current_dir()
+        .context("reading the working directory")?
+        .join(path))
+}
+
+/// Why a rank could not be started, with the fix when a bare name was meant as a file here.
+fn start_error(program: &str, e: &std::io::Error) -> String {
+    let path = std::path::Path::new(program);
+    if e.kind() != std::io::ErrorKind::NotFound || path.components().count() != 1 {
+        e.to_string()
+    } else if path.is_file() {
+        format!(
+            "{e}: '{program}' is not on PATH; for the file in this directory, write ./{program}"
+        )
+    } else {
+        format!("{e}: '{program}' is not on PATH")
+    }
+}
+
 /// A free TCP port on this machine (for `--master-port 0`).
 fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("0.0.0.0:0").context("finding a free port")?;
@@ -158,6 +185,7 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
     };
     let world = args.nproc_per_node * args.nnodes;
     let (program, program_args) = args.command.split_first().expect("clap requires a command");
+    let resolved = resolve_program(program)?;
     let nccl_dir = nccl_link_dir();
     let lock = Arc::new(Mutex::new(()));
 
@@ -171,7 +199,7 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
     let mut pumps = Vec::new();
     for local in 0..args.nproc_per_node {
         let rank = args.node_rank * args.nproc_per_node + local;
-        let mut cmd = Command::new(program);
+        let mut cmd = Command::new(&resolved);
         cmd.args(program_args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
@@ -193,7 +221,10 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
             Ok(c) => c,
             Err(e) => {
                 stop_all(&mut ranks, args.grace);
-                bail!("cannot start rank {rank} ({program}): {e}");
+                bail!(
+                    "cannot start rank {rank} ({program}): {}",
+                    start_error(program, &e)
+                );
             }
         };
         pumps.push(pump(

@@ -294,6 +294,48 @@ fn bad_launches_are_clear_errors() {
 }
 
 #[test]
+fn a_relative_program_path_is_the_launchers() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("bin")).unwrap();
+    std::os::unix::fs::symlink(KILN, dir.path().join("bin/kiln")).unwrap();
+    let launch = |program: &str| {
+        Command::new(KILN)
+            .current_dir(dir.path())
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                "0",
+                "--",
+            ])
+            .args([program, "--version"])
+            .output()
+            .unwrap()
+    };
+    let out = launch("bin/kiln");
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("[rank 0] kiln ") && t.contains("[rank 1] kiln "),
+        "{t}"
+    );
+    // A bare name is looked up on PATH; a file of that name here is pointed out.
+    std::os::unix::fs::symlink(KILN, dir.path().join("kiln-here")).unwrap();
+    let out = launch("kiln-here");
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains(
+            "'kiln-here' is not on PATH; for the file in this directory, write ./kiln-here"
+        ),
+        "{}",
+        text(&out)
+    );
+    let out = launch("./kiln-here");
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+#[test]
 fn world_size_mismatch_is_named() {
     let port = free_port();
     let r0 = rank(0, 2, port, "3", &[]);
