@@ -359,19 +359,29 @@ fn a_port_in_use_is_named() {
     assert!(err.contains(&port.to_string()), "{err}");
 }
 
-/// The decorator across real processes: ZeRO-3 and DDP over TCP equal single-device training.
+/// The decorator across real processes over TCP equals single-device training, every strategy,
+/// on a model each rank initialises with Burn's random initialisers from its own seed
+/// (`shard` makes the weights rank 0's; the reference starts from them).
 #[test]
 fn shard_check_over_processes() {
-    for (strategy, n) in [("zero3", "3"), ("ddp", "2")] {
+    for (strategy, n) in [
+        ("ddp", "2"),
+        ("zero1", "2"),
+        ("zero2", "3"),
+        ("zero3", "3"),
+        ("hybrid:2", "4"),
+    ] {
         let out = Command::new(KILN)
             .args(["launch", "--nproc-per-node", n, "--master-port", "0", "--"])
-            .args([KILN, "shard-check", "--strategy", strategy, "--steps", "10"])
+            .args([KILN, "shard-check", "--strategy", strategy, "--steps", "20"])
+            .args(["--init", "burn"])
             .output()
             .unwrap();
         let t = text(&out);
         assert!(out.status.success(), "{t}");
+        let shown = strategy.replace("hybrid:2", "hybrid(shard 2)");
         assert!(
-            t.contains(&format!("[rank 0] rank 0 of {n}: {strategy}, 10 steps")),
+            t.contains(&format!("[rank 0] rank 0 of {n}: {shown}, 20 steps")),
             "{t}"
         );
         assert!(!t.contains("FAIL"), "{t}");
