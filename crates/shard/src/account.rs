@@ -191,6 +191,12 @@ pub fn attribute_to_rank(rank: usize) {
     });
 }
 
+/// The rank this thread's allocations are attributed to, if any.
+pub(crate) fn current_rank() -> Option<usize> {
+    let tag = TAG.with(|t| t.get());
+    (tag != NO_RANK).then_some((tag >> 8) as usize)
+}
+
 /// Runs `f` with this thread's allocations counted as `kind`.
 pub(crate) fn with_kind<R>(kind: MemKind, f: impl FnOnce() -> R) -> R {
     struct Restore(u64);

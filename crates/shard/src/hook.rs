@@ -19,7 +19,9 @@ use crate::ops::policy::{Host, local, read, slice_local, write};
 use crate::state::{ModelState, PendingGrad, model_of};
 use crate::tensor::Sharded;
 use crate::{Shard, ShardTensor};
-use burn_backend::distributed::{DistributedBackend, DistributedParams, TensorRef};
+use burn_backend::distributed::{
+    DistributedBackend, DistributedParamId, DistributedParams, TensorRef,
+};
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
 use kiln_comm::{ReduceOp, shard_len, shard_range};
@@ -33,12 +35,14 @@ thread_local! {
     static IN_BACKWARD: RefCell<Vec<(u64, Arc<dyn Any + Send + Sync>)>> = const { RefCell::new(Vec::new()) };
 }
 
-fn model<B: Backend>(params: &DistributedParams) -> Arc<ModelState<B>> {
+/// The model of a parameter whose gradient the hook sees, and the parameter's id in it.
+fn model<B: Backend>(params: &DistributedParams) -> (Arc<ModelState<B>>, DistributedParamId) {
     model_of::<B>(params.param_id).unwrap_or_else(|| {
         panic!(
-            "kiln: a gradient of parameter {:?}, which no sharded model registered: parameters \
-             of a sharded model must be stepped by `kiln_shard::ShardedOptimizer` (a plain Burn \
-             optimizer re-marks them with ids kiln does not know)",
+            "kiln: a gradient of parameter {:?}, which no sharded model on this rank registered \
+             (a model released with `kiln_shard::release`, or ranks as threads holding models \
+             with the same parameter ids stepped by a plain Burn optimizer on a thread that is \
+             not the rank's: step sharded models with `kiln_shard::ShardedOptimizer`)",
             params.param_id
         )
     })
@@ -48,7 +52,7 @@ impl<B: Backend> DistributedBackend for Shard<B> {
     fn register_sync_parameters(_device: &Self::Device, params: Vec<DistributedParams>) {
         let mut models: Vec<(u64, Arc<dyn Any + Send + Sync>)> = Vec::new();
         for p in &params {
-            let m = model::<B>(p);
+            let (m, _) = model::<B>(p);
             if !models.iter().any(|(seq, _)| *seq == m.seq) {
                 assert!(
                     m.lock().bucket.is_empty(),
@@ -64,16 +68,13 @@ impl<B: Backend> DistributedBackend for Shard<B> {
     }
 
     fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
-        let m = model::<B>(&params);
+        let (m, id) = model::<B>(&params);
         let mut d = m.lock();
         if d.no_sync {
             return;
         }
-        let shape = d.params.get(&params.param_id).cloned().unwrap_or_else(|| {
-            panic!(
-                "kiln: gradient of parameter {:?}, which `shard` did not register",
-                params.param_id
-            )
+        let shape = d.params.get(&id).cloned().unwrap_or_else(|| {
+            panic!("kiln: gradient of parameter {id:?}, which `shard` did not register")
         });
         // SAFETY: `tensor.0` points to the gradient in burn-autodiff's container, valid for
         // the rest of this backward (see `PendingGrad`).
@@ -84,7 +85,7 @@ impl<B: Backend> DistributedBackend for Shard<B> {
             "kiln: gradient shape differs from its parameter's"
         );
         d.bucket_bytes += grad.local_bytes();
-        d.synced.insert(params.param_id);
+        d.synced.insert(id);
         d.bucket.push(PendingGrad {
             ptr: tensor.0,
             shape,

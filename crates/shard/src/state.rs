@@ -189,6 +189,8 @@ pub(crate) struct ModelState<B: Backend> {
     /// Creation order on this rank: models are flushed in this order at the end of a backward
     /// that involves several, identically on every rank.
     pub seq: u64,
+    /// This rank's index in the group the model was sharded over.
+    pub world_rank: usize,
     pub shard_group: Arc<dyn ProcessGroup>,
     pub replicate_group: Option<Arc<dyn ProcessGroup>>,
     pub config: ShardConfig,
@@ -219,12 +221,27 @@ impl<B: Backend> ModelState<B> {
             d.params.insert(id, shape);
             d.by_param.insert(param, id);
         }
-        registry().insert(id, self.clone() as Arc<dyn Any + Send + Sync>);
+        let mut r = registry();
+        r.by_id
+            .insert(id, self.clone() as Arc<dyn Any + Send + Sync>);
+        r.by_burn_id
+            .entry(DistributedParamId::from(param))
+            .or_default()
+            .push((id, self.clone() as Arc<dyn Any + Send + Sync>));
         id
     }
 }
 
-type Registry = HashMap<DistributedParamId, Arc<dyn Any + Send + Sync>>;
+#[derive(Default)]
+struct Registry {
+    /// Models by the gradient-sync ids kiln gave their parameters.
+    by_id: HashMap<DistributedParamId, Arc<dyn Any + Send + Sync>>,
+    /// The same, by the id Burn's own optimizers mark parameters with after a step
+    /// (`DistributedParamId::from(ParamId)`), for models stepped by a plain Burn optimizer:
+    /// ranks as threads may hold models with equal `ParamId`s (one record loaded on every
+    /// rank), told apart by the rank the thread works for.
+    by_burn_id: HashMap<DistributedParamId, Vec<(DistributedParamId, Arc<dyn Any + Send + Sync>)>>,
+}
 
 fn registry() -> std::sync::MutexGuard<'static, Registry> {
     static REGISTRY: std::sync::LazyLock<Mutex<Registry>> =
@@ -248,21 +265,48 @@ pub(crate) fn next_seq() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// The model a gradient-sync id belongs to, if `shard` gave it out.
-pub(crate) fn model_of<B: Backend>(id: DistributedParamId) -> Option<Arc<ModelState<B>>> {
-    let any = registry().get(&id)?.clone();
-    Some(
+/// The model a gradient-sync id belongs to and the parameter's id in it: an id `shard` gave
+/// out, or one a plain Burn optimizer marked the parameter with (see `Registry`).
+pub(crate) fn model_of<B: Backend>(
+    id: DistributedParamId,
+) -> Option<(Arc<ModelState<B>>, DistributedParamId)> {
+    let downcast = |any: Arc<dyn Any + Send + Sync>| {
         any.downcast::<ModelState<B>>()
-            .unwrap_or_else(|_| panic!("kiln: parameter {id:?} was sharded on another backend")),
-    )
+            .unwrap_or_else(|_| panic!("kiln: parameter {id:?} was sharded on another backend"))
+    };
+    let r = registry();
+    if let Some(any) = r.by_id.get(&id) {
+        return Some((downcast(any.clone()), id));
+    }
+    let candidates = r.by_burn_id.get(&id)?;
+    let pick = |(uid, any): &(DistributedParamId, Arc<dyn Any + Send + Sync>)| {
+        (downcast(any.clone()), *uid)
+    };
+    if let [only] = candidates.as_slice() {
+        return Some(pick(only));
+    }
+    let rank = crate::account::current_rank()?;
+    let mine: Vec<_> = candidates
+        .iter()
+        .map(pick)
+        .filter(|(m, _)| m.world_rank == rank)
+        .collect();
+    match <[_; 1]>::try_from(mine) {
+        Ok([found]) => Some(found),
+        Err(_) => None,
+    }
 }
 
 /// Forgets a model's parameters (see [`release`](crate::release)).
 pub(crate) fn unregister(ids: &[DistributedParamId]) {
     let mut r = registry();
     for id in ids {
-        r.remove(id);
+        r.by_id.remove(id);
     }
+    for list in r.by_burn_id.values_mut() {
+        list.retain(|(uid, _)| !ids.contains(uid));
+    }
+    r.by_burn_id.retain(|_, list| !list.is_empty());
 }
 
 thread_local! {

@@ -90,6 +90,7 @@ where
     let init = config.init;
     let state = Arc::new(ModelState {
         seq: next_seq(),
+        world_rank: group.rank(),
         shard_group: shard_group.clone(),
         replicate_group,
         config,
@@ -279,7 +280,7 @@ impl<B: Backend> Marks<B> {
                     return self.found.push((p.id, None, None));
                 }
                 let t = p.val();
-                let known = mark_of(&t).and_then(|id| model_of::<B>(id).map(|m| (id, m)));
+                let known = mark_of(&t).and_then(|id| model_of::<B>(id).map(|(m, id)| (id, m)));
                 let trainable = t.is_require_grad().then(|| Shape::from(t.dims().to_vec()));
                 self.found.push((p.id, known, trainable));
             }
