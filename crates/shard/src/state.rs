@@ -232,15 +232,18 @@ impl<B: Backend> ModelState<B> {
     }
 }
 
+/// A model, type-erased (its inner backend is generic).
+type AnyModel = Arc<dyn Any + Send + Sync>;
+
 #[derive(Default)]
 struct Registry {
     /// Models by the gradient-sync ids kiln gave their parameters.
-    by_id: HashMap<DistributedParamId, Arc<dyn Any + Send + Sync>>,
+    by_id: HashMap<DistributedParamId, AnyModel>,
     /// The same, by the id Burn's own optimizers mark parameters with after a step
     /// (`DistributedParamId::from(ParamId)`), for models stepped by a plain Burn optimizer:
     /// ranks as threads may hold models with equal `ParamId`s (one record loaded on every
     /// rank), told apart by the rank the thread works for.
-    by_burn_id: HashMap<DistributedParamId, Vec<(DistributedParamId, Arc<dyn Any + Send + Sync>)>>,
+    by_burn_id: HashMap<DistributedParamId, Vec<(DistributedParamId, AnyModel)>>,
 }
 
 fn registry() -> std::sync::MutexGuard<'static, Registry> {
@@ -270,7 +273,7 @@ pub(crate) fn next_seq() -> u64 {
 pub(crate) fn model_of<B: Backend>(
     id: DistributedParamId,
 ) -> Option<(Arc<ModelState<B>>, DistributedParamId)> {
-    let downcast = |any: Arc<dyn Any + Send + Sync>| {
+    let downcast = |any: AnyModel| {
         any.downcast::<ModelState<B>>()
             .unwrap_or_else(|_| panic!("kiln: parameter {id:?} was sharded on another backend"))
     };
@@ -279,9 +282,7 @@ pub(crate) fn model_of<B: Backend>(
         return Some((downcast(any.clone()), id));
     }
     let candidates = r.by_burn_id.get(&id)?;
-    let pick = |(uid, any): &(DistributedParamId, Arc<dyn Any + Send + Sync>)| {
-        (downcast(any.clone()), *uid)
-    };
+    let pick = |(uid, any): &(DistributedParamId, AnyModel)| (downcast(any.clone()), *uid);
     if let [only] = candidates.as_slice() {
         return Some(pick(only));
     }
