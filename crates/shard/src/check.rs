@@ -10,7 +10,7 @@ use crate::{
     Shard, ShardConfig, ShardError, ShardedOptimizer, Strategy, clip_grad_norm, gather_model, shard,
 };
 use burn::backend::Autodiff;
-use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::nn::{Linear, Relu};
 use burn::optim::{AdamWConfig, GradientsAccumulator, Optimizer};
 use burn::tensor::backend::Backend;
@@ -162,37 +162,14 @@ pub struct Run {
 ///
 /// # Panics
 /// If the number of parameters or a length differs.
-pub fn with_values<B: Backend, M: Module<Train<B>>>(model: M, values: &[Vec<f32>]) -> M {
-    struct Set<'a>(&'a [Vec<f32>], usize);
-    impl<AB: Backend> ModuleMapper<AB> for Set<'_> {
-        fn map_float<const D: usize>(
-            &mut self,
-            param: Param<Tensor<AB, D>>,
-        ) -> Param<Tensor<AB, D>> {
-            let (id, tensor, mapper) = param.consume();
-            let values = self
-                .0
-                .get(self.1)
-                .expect("a value for every parameter")
-                .clone();
-            self.1 += 1;
-            let shape = tensor.shape();
-            assert_eq!(
-                values.len(),
-                shape.num_elements(),
-                "values of parameter #{}",
-                self.1
-            );
-            let mut t = Tensor::from_data(TensorData::new(values, shape), &tensor.device());
-            if tensor.is_require_grad() {
-                t = t.require_grad();
-            }
-            Param::from_mapped_value(id, t, mapper)
-        }
-    }
-    let mut set = Set(values, 0);
-    let model = model.map(&mut set);
-    assert_eq!(set.1, values.len(), "parameter count");
+pub fn with_values<B: Backend, M: AutodiffModule<Train<B>>>(model: M, values: &[Vec<f32>]) -> M {
+    let mut next = values.iter();
+    let model = crate::pieces::map_params::<B, Train<B>, M>(model, |path, _| {
+        next.next()
+            .unwrap_or_else(|| panic!("no value for parameter {path}"))
+            .clone()
+    });
+    assert!(next.next().is_none(), "more values than parameters");
     model
 }
 

@@ -16,7 +16,7 @@
 //! Inside [`no_sync`](crate::no_sync) the hook leaves gradients whole and unreduced.
 
 use crate::ops::policy::{Host, local, read, slice_local, write};
-use crate::state::{ModelState, PendingGrad, model_of};
+use crate::state::{AnyModel, ModelState, PendingGrad, model_of};
 use crate::tensor::Sharded;
 use crate::{Shard, ShardTensor};
 use burn_backend::distributed::{
@@ -24,15 +24,14 @@ use burn_backend::distributed::{
 };
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
-use kiln_comm::{ReduceOp, shard_len, shard_range};
-use std::any::Any;
+use kiln_comm::{ReduceOp, shard_range};
 use std::cell::RefCell;
 use std::sync::Arc;
 
 thread_local! {
     /// The models whose parameters take part in the backward pass running on this thread, in
     /// creation order: flushed, in that order, when it ends.
-    static IN_BACKWARD: RefCell<Vec<(u64, Arc<dyn Any + Send + Sync>)>> = const { RefCell::new(Vec::new()) };
+    static IN_BACKWARD: RefCell<Vec<(u64, AnyModel)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The model of a parameter whose gradient the hook sees, and the parameter's id in it.
@@ -50,7 +49,7 @@ fn model<B: Backend>(params: &DistributedParams) -> (Arc<ModelState<B>>, Distrib
 
 impl<B: Backend> DistributedBackend for Shard<B> {
     fn register_sync_parameters(_device: &Self::Device, params: Vec<DistributedParams>) {
-        let mut models: Vec<(u64, Arc<dyn Any + Send + Sync>)> = Vec::new();
+        let mut models: Vec<(u64, AnyModel)> = Vec::new();
         for p in &params {
             let (m, _) = model::<B>(p);
             if !models.iter().any(|(seq, _)| *seq == m.seq) {
@@ -59,7 +58,7 @@ impl<B: Backend> DistributedBackend for Shard<B> {
                     "kiln: a backward pass started before the previous one synchronised its \
                      gradients"
                 );
-                models.push((m.seq, m as Arc<dyn Any + Send + Sync>));
+                models.push((m.seq, m as AnyModel));
             }
         }
         // The order of `params` comes from a hash map; creation order is the same on every rank.
@@ -190,23 +189,18 @@ pub(crate) fn reduce<B: Backend>(
     }
 
     // Reduce-scatter: rank-major layout, each gradient's shards padded to ceil(n / S).
-    let (world, rank) = (group.world_size(), group.rank());
-    let padded: Vec<usize> = shapes
-        .iter()
-        .map(|s| s.num_elements().div_ceil(world))
-        .collect();
-    let chunk: usize = padded.iter().sum();
-    let mut send = hosts[0].zeros(chunk * world);
-    for peer in 0..world {
-        let mut offset = peer * chunk;
-        for (h, (shape, pad)) in hosts.iter().zip(shapes.iter().zip(&padded)) {
-            let range = shard_range(shape.num_elements(), world, peer);
-            send.copy_from(offset, h, range);
-            offset += pad;
+    let rank = group.rank();
+    let numels: Vec<usize> = shapes.iter().map(Shape::num_elements).collect();
+    let layout = RankMajor::new(&numels, group.world_size());
+    let mut send = hosts[0].zeros(layout.len());
+    for peer in 0..group.world_size() {
+        for (i, h) in hosts.iter().enumerate() {
+            let (at, range) = layout.place(i, peer);
+            send.copy_from(at, h, range);
         }
     }
     drop(hosts);
-    let mut mine = send.zeros(chunk);
+    let mut mine = send.zeros(layout.chunk);
     group
         .reduce_scatter(send.buf(), mine.buf_mut(), ReduceOp::Avg)
         .unwrap_or_else(|e| fail("reduce-scatter", e));
@@ -216,19 +210,18 @@ pub(crate) fn reduce<B: Backend>(
             .all_reduce(mine.buf_mut(), ReduceOp::Avg)
             .unwrap_or_else(|e| fail("all-reduce (across replicas)", e));
     }
-    let mut offset = 0;
     shapes
         .into_iter()
-        .zip(&padded)
-        .map(|(shape, pad)| {
-            let len = shard_len(shape.num_elements(), world, rank);
+        .enumerate()
+        .map(|(i, shape)| {
+            let (at, range) = layout.place(i, rank);
+            let at = at - rank * layout.chunk;
             let shard = write::<B>(
-                mine.slice(offset, offset + len)
-                    .into_data(Shape::from(vec![len])),
+                mine.slice(at, at + range.len())
+                    .into_data(Shape::from(vec![range.len()])),
                 &device,
                 dtype,
             );
-            offset += pad;
             ShardTensor::Sharded(Sharded {
                 shard,
                 shape,
@@ -236,6 +229,49 @@ pub(crate) fn reduce<B: Backend>(
             })
         })
         .collect()
+}
+
+/// FSDP's flat layout of a bucket of tensors over `world` ranks: rank `r`'s chunk holds its
+/// shard of every tensor, in order, each padded to `ceil(numel / world)`, so that one
+/// reduce-scatter or all-gather of equal chunks serves tensors of any size.
+pub(crate) struct RankMajor {
+    numels: Vec<usize>,
+    /// Where each tensor's shard starts within a chunk.
+    starts: Vec<usize>,
+    /// Elements per rank.
+    pub chunk: usize,
+    world: usize,
+}
+
+impl RankMajor {
+    pub fn new(numels: &[usize], world: usize) -> Self {
+        let mut starts = Vec::with_capacity(numels.len());
+        let mut chunk = 0;
+        for n in numels {
+            starts.push(chunk);
+            chunk += n.div_ceil(world);
+        }
+        RankMajor {
+            numels: numels.to_vec(),
+            starts,
+            chunk,
+            world,
+        }
+    }
+
+    /// Elements of the whole buffer.
+    pub fn len(&self) -> usize {
+        self.chunk * self.world
+    }
+
+    /// Where `peer`'s shard of tensor `i` lies in the whole buffer, and which elements of the
+    /// flattened tensor it holds.
+    pub fn place(&self, i: usize, peer: usize) -> (usize, std::ops::Range<usize>) {
+        (
+            peer * self.chunk + self.starts[i],
+            shard_range(self.numels[i], self.world, peer),
+        )
+    }
 }
 
 fn cat(parts: &[Host]) -> Host {

@@ -1,7 +1,8 @@
 //! The optimizer side: ZeRO-1/2's slice-step-gather, and global gradient-norm clipping.
 
+use crate::hook::RankMajor;
 use crate::ops::policy::{Host, local, read, slice_local, write};
-use crate::state::ModelState;
+use crate::state::{ModelState, buckets};
 use crate::strategy::{Marks, apply_marks, replace_primitive};
 use crate::{Shard, ShardTensor};
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -78,31 +79,23 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: AutodiffModule<AB>,
 {
-    let sliced: Vec<ParamId> = marks
-        .params
-        .iter()
-        .filter(|(_, _, m)| {
-            let st = m.config.strategy;
-            st.shards_optimizer() && !st.shards_params()
-        })
-        .map(|(p, _, _)| *p)
-        .collect();
-    let module = if sliced.is_empty() {
-        module
+    let slices = marks.models().iter().any(|m| slices_params(m));
+    let module = if slices {
+        module.map(&mut Slicer::<B> { marks: &marks })
     } else {
-        module.map(&mut Slicer::<B> {
-            marks: &marks,
-            sliced: &sliced,
-        })
+        module
     };
     let mut module = step(module);
-    for m in marks.models() {
-        let st = m.config.strategy;
-        if st.shards_optimizer() && !st.shards_params() {
-            module = gather_bucketed::<B, AB, M>(module, &marks, &m);
-        }
+    for m in marks.models().iter().filter(|m| slices_params(m)) {
+        module = gather_bucketed::<B, AB, M>(module, &marks, m);
     }
     apply_marks::<B, AB, M>(module, &marks)
+}
+
+/// ZeRO-1/2: replicated parameters, sharded optimizer state.
+fn slices_params<B: Backend>(m: &ModelState<B>) -> bool {
+    let st = m.config.strategy;
+    st.shards_optimizer() && !st.shards_params()
 }
 
 /// Panics if, for a model sharded over more than one rank, a parameter has a gradient the hook
@@ -134,7 +127,7 @@ where
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Find<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
-            let Some((_, mark, m)) = self.marks.get(p.id) else {
+            let Some((mark, m)) = self.marks.get(p.id) else {
                 return;
             };
             let (_, over_ranks, synced) = self
@@ -172,7 +165,6 @@ where
 
 struct Slicer<'a, B: Backend> {
     marks: &'a Marks<B>,
-    sliced: &'a [ParamId],
 }
 
 impl<B, AB> ModuleMapper<AB> for Slicer<'_, B>
@@ -181,14 +173,10 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
 {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
-        if !self.sliced.contains(&param.id) {
-            return param;
-        }
-        let (_, _, m) = self
-            .marks
-            .get(param.id)
-            .expect("sliced parameters are marked");
-        let group = m.shard_group.clone();
+        let group = match self.marks.get(param.id) {
+            Some((_, m)) if slices_params(m) => m.shard_group.clone(),
+            _ => return param,
+        };
         let (id, tensor, mapper) = param.consume();
         let tensor = replace_primitive::<B, AB, D>(tensor, |t| {
             ShardTensor::Sharded(slice_local::<B>(local(t), &group))
@@ -214,10 +202,7 @@ where
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Read<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
-            let Some((_, _, m)) = self.marks.get(p.id) else {
-                return;
-            };
-            if !Arc::ptr_eq(m, self.model) {
+            if self.marks.in_model(p.id, self.model).is_none() {
                 return;
             }
             if let ShardTensor::Sharded(s) = p.val().inner().into_primitive().tensor() {
@@ -234,36 +219,27 @@ where
     let group = &m.shard_group;
     let world = group.world_size();
     let mut whole: HashMap<ParamId, B::FloatTensorPrimitive> = HashMap::new();
-    let mut start = 0;
-    while start < r.shards.len() {
-        let mut end = start;
-        let mut bytes = 0;
-        let dtype = r.shards[start].1.shard.dtype();
-        while end < r.shards.len()
-            && r.shards[end].1.shard.dtype() == dtype
-            && (end == start || bytes < m.config.bucket_bytes)
-        {
-            bytes += r.shards[end].1.numel() * dtype.size();
-            end += 1;
-        }
-        let bucket = &r.shards[start..end];
-        let padded: Vec<usize> = bucket
-            .iter()
-            .map(|(_, s)| s.numel().div_ceil(world))
-            .collect();
-        let chunk: usize = padded.iter().sum();
+    let sizes: Vec<_> = r
+        .shards
+        .iter()
+        .map(|(_, s)| (s.shard.dtype(), s.numel() * s.shard.dtype().size()))
+        .collect();
+    for run in buckets(&sizes, m.config.bucket_bytes) {
+        let dtype = sizes[run.start].0;
+        let bucket = &r.shards[run];
+        let numels: Vec<usize> = bucket.iter().map(|(_, s)| s.numel()).collect();
+        let layout = RankMajor::new(&numels, world);
         let device = B::float_device(&bucket[0].1.shard);
-        let hosts: Vec<Host> = bucket
-            .iter()
-            .map(|(_, s)| Host::from_data(read::<B>(s.shard.clone())))
-            .collect();
-        let mut mine = hosts[0].zeros(chunk);
-        let mut offset = 0;
-        for (h, pad) in hosts.iter().zip(&padded) {
-            mine.copy_from(offset, h, 0..h.len());
-            offset += pad;
+        let rank = group.rank();
+        let mut mine: Option<Host> = None;
+        for (i, (_, s)) in bucket.iter().enumerate() {
+            let h = Host::from_data(read::<B>(s.shard.clone()));
+            let mine = mine.get_or_insert_with(|| h.zeros(layout.chunk));
+            let (at, _) = layout.place(i, rank);
+            mine.copy_from(at - rank * layout.chunk, &h, 0..h.len());
         }
-        let mut all = mine.zeros(chunk * world);
+        let mine = mine.expect("a bucket holds a tensor");
+        let mut all = mine.zeros(layout.len());
         group.all_gather(mine.buf(), all.buf_mut()).unwrap_or_else(|e| {
             panic!(
                 "kiln: rank {} could not all-gather a bucket of {} parameters on group '{}': {e}",
@@ -272,20 +248,15 @@ where
                 group.name()
             )
         });
-        let mut at = 0;
-        for ((id, s), pad) in bucket.iter().zip(&padded) {
-            let numel = s.numel();
-            let mut values = mine.zeros(numel);
+        for (i, (id, s)) in bucket.iter().enumerate() {
+            let mut values = mine.zeros(s.numel());
             for peer in 0..world {
-                let range = kiln_comm::shard_range(numel, world, peer);
-                let from = peer * chunk + at;
-                values.copy_from(range.start, &all, from..from + range.len());
+                let (at, range) = layout.place(i, peer);
+                values.copy_from(range.start, &all, at..at + range.len());
             }
-            at += pad;
             let data = values.into_data(s.shape.clone());
             whole.insert(*id, write::<B>(data, &device, dtype));
         }
-        start = end;
     }
     struct Write<B: Backend> {
         whole: HashMap<ParamId, B::FloatTensorPrimitive>,

@@ -8,6 +8,7 @@ use kiln_comm::{CommError, ProcessGroup};
 use std::any::Any;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -137,6 +138,25 @@ impl ShardConfig {
     }
 }
 
+/// Consecutive runs of `items` (a key and a size in bytes each, in the order every rank shares)
+/// that one collective carries: a run ends once it holds `limit` bytes or where the key changes
+/// (collectives carry one element type). Every run holds at least one item.
+pub(crate) fn buckets<K: PartialEq>(items: &[(K, usize)], limit: usize) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    let mut bytes = 0;
+    for (i, (key, size)) in items.iter().enumerate() {
+        match runs.last_mut() {
+            Some(run) if bytes < limit && items[run.start].0 == *key => run.end = i + 1,
+            _ => {
+                runs.push(i..i + 1);
+                bytes = 0;
+            }
+        }
+        bytes += size;
+    }
+    runs
+}
+
 /// Errors of the sharding layer.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -171,8 +191,6 @@ unsafe impl<B: Backend> Send for PendingGrad<B> {}
 pub(crate) struct Dynamic<B: Backend> {
     /// The logical shape of every trainable parameter, by the gradient-sync id kiln gave it.
     pub params: HashMap<DistributedParamId, Shape>,
-    /// The gradient-sync id of each parameter, by Burn's `ParamId` (to re-mark after a step).
-    pub by_param: HashMap<u64, DistributedParamId>,
     pub bucket: Vec<PendingGrad<B>>,
     pub bucket_bytes: usize,
     /// Parameters whose gradient was reduced since the last optimizer step.
@@ -216,24 +234,19 @@ impl<B: Backend> ModelState<B> {
     /// A fresh gradient-sync id for a parameter of this model, registered.
     pub fn register(self: &Arc<Self>, param: u64, shape: Shape) -> DistributedParamId {
         let id = fresh_id();
-        {
-            let mut d = self.lock();
-            d.params.insert(id, shape);
-            d.by_param.insert(param, id);
-        }
+        self.lock().params.insert(id, shape);
         let mut r = registry();
-        r.by_id
-            .insert(id, self.clone() as Arc<dyn Any + Send + Sync>);
+        r.by_id.insert(id, self.clone() as AnyModel);
         r.by_burn_id
             .entry(DistributedParamId::from(param))
             .or_default()
-            .push((id, self.clone() as Arc<dyn Any + Send + Sync>));
+            .push((id, self.clone() as AnyModel));
         id
     }
 }
 
 /// A model, type-erased (its inner backend is generic).
-type AnyModel = Arc<dyn Any + Send + Sync>;
+pub(crate) type AnyModel = Arc<dyn Any + Send + Sync>;
 
 #[derive(Default)]
 struct Registry {
@@ -296,6 +309,20 @@ pub(crate) fn model_of<B: Backend>(
         Ok([found]) => Some(found),
         Err(_) => None,
     }
+}
+
+/// The gradient-sync id `model` gave the parameter with Burn's `ParamId` value `param`.
+pub(crate) fn id_in_model<B: Backend>(
+    model: &Arc<ModelState<B>>,
+    param: u64,
+) -> Option<DistributedParamId> {
+    let model = Arc::as_ptr(model).cast::<()>();
+    registry()
+        .by_burn_id
+        .get(&DistributedParamId::from(param))?
+        .iter()
+        .find(|(_, m)| Arc::as_ptr(m).cast::<()>() == model)
+        .map(|(uid, _)| *uid)
 }
 
 /// Forgets a model's parameters (see [`release`](crate::release)).
@@ -365,4 +392,17 @@ pub fn local_reads<R>(f: impl FnOnce() -> R) -> R {
 
 pub(crate) fn reading_locally() -> bool {
     LOCAL_READS.with(std::cell::Cell::get)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::buckets;
+
+    #[test]
+    fn buckets_end_at_the_limit_and_where_the_key_changes() {
+        let items = [('f', 4), ('f', 4), ('f', 4), ('i', 1), ('f', 20), ('f', 1)];
+        assert_eq!(buckets(&items, 8), vec![0..2, 2..3, 3..4, 4..5, 5..6]);
+        assert_eq!(buckets(&items, 100), vec![0..3, 3..4, 4..6]);
+        assert!(buckets::<char>(&[], 8).is_empty());
+    }
 }

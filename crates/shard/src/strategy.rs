@@ -4,8 +4,8 @@
 use crate::hook::reduce;
 use crate::ops::policy::{local, slice_local};
 use crate::state::{
-    Dynamic, InitSync, ModelState, ShardConfig, ShardError, model_of, next_seq, unregister,
-    with_sharded_creation,
+    Dynamic, InitSync, ModelState, ShardConfig, ShardError, buckets, id_in_model, model_of,
+    next_seq, unregister, with_sharded_creation,
 };
 use crate::sync::{self, Path, Scatter};
 use crate::{Shard, ShardTensor, Strategy};
@@ -16,6 +16,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use burn_backend::distributed::DistributedParamId;
 use burn_std::Shape;
 use kiln_comm::{DeviceMesh, MeshShape, ProcessGroup};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// Puts `module` under `config.strategy` over the data-parallel `group`: every rank calls it
@@ -256,8 +257,8 @@ where
 /// found from the parameters' marks (a parameter that lost its mark, e.g. replaced by a
 /// user's own mapper, is found through its `ParamId` in the model of the others).
 pub(crate) struct Marks<B: Backend> {
-    /// `(ParamId, gradient-sync id, model)` of every trainable parameter of a sharded model.
-    pub params: Vec<(ParamId, DistributedParamId, Arc<ModelState<B>>)>,
+    /// The gradient-sync id and model of every trainable parameter of a sharded model.
+    params: HashMap<ParamId, (DistributedParamId, Arc<ModelState<B>>)>,
 }
 
 impl<B: Backend> Marks<B> {
@@ -295,14 +296,14 @@ impl<B: Backend> Marks<B> {
             .found
             .into_iter()
             .filter_map(|(pid, known, trainable)| match (known, trainable) {
-                (Some((id, m)), _) => Some((pid, id, m)),
+                (Some(known), _) => Some((pid, known)),
                 (None, Some(shape)) => {
                     let m = fallback.clone()?;
-                    let id = m.lock().by_param.get(&pid.val()).copied();
                     // Loading a record gives parameters the record's ids, which `shard` never
                     // saw: registered here, so that the gradient is reduced too.
-                    let id = id.unwrap_or_else(|| m.register(pid.val(), shape));
-                    Some((pid, id, m))
+                    let id =
+                        id_in_model(&m, pid.val()).unwrap_or_else(|| m.register(pid.val(), shape));
+                    Some((pid, (id, m)))
                 }
                 (None, None) => None,
             })
@@ -313,7 +314,7 @@ impl<B: Backend> Marks<B> {
     /// The distinct models, in creation order.
     pub fn models(&self) -> Vec<Arc<ModelState<B>>> {
         let mut models: Vec<Arc<ModelState<B>>> = Vec::new();
-        for (_, _, m) in &self.params {
+        for (_, m) in self.params.values() {
             if !models.iter().any(|k| Arc::ptr_eq(k, m)) {
                 models.push(m.clone());
             }
@@ -322,8 +323,16 @@ impl<B: Backend> Marks<B> {
         models
     }
 
-    pub fn get(&self, id: ParamId) -> Option<&(ParamId, DistributedParamId, Arc<ModelState<B>>)> {
-        self.params.iter().find(|(p, _, _)| *p == id)
+    /// A parameter's gradient-sync id and model.
+    pub fn get(&self, id: ParamId) -> Option<&(DistributedParamId, Arc<ModelState<B>>)> {
+        self.params.get(&id)
+    }
+
+    /// A parameter's gradient-sync id, if it belongs to `model`.
+    pub fn in_model(&self, id: ParamId, model: &Arc<ModelState<B>>) -> Option<DistributedParamId> {
+        self.get(id)
+            .filter(|(_, m)| Arc::ptr_eq(m, model))
+            .map(|(mark, _)| *mark)
     }
 }
 
@@ -342,7 +351,7 @@ where
             param: Param<Tensor<AB, D>>,
         ) -> Param<Tensor<AB, D>> {
             match self.0.get(param.id) {
-                Some((_, mark, _)) => {
+                Some((mark, _)) => {
                     let (id, tensor, mapper) = param.consume();
                     Param::from_mapped_value(id, tensor.set_distributed(*mark), mapper)
                 }
@@ -383,7 +392,7 @@ where
     struct Remark<'a, B: Backend>(&'a Marks<B>);
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Remark<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-            if let Some((_, mark, _)) = self.0.get(param.id) {
+            if let Some((mark, _)) = self.0.get(param.id) {
                 let _ = param.val().set_distributed(*mark);
             }
         }
@@ -433,29 +442,39 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: AutodiffModule<AB>,
 {
-    let marks = Marks::<B>::of::<AB, M>(module);
-    for m in marks.models() {
-        // Module order: the same on every rank.
-        struct Take<'a, B: Backend> {
-            grads: &'a mut GradientsParams,
-            marks: &'a Marks<B>,
-            model: &'a Arc<ModelState<B>>,
-            taken: Vec<(ParamId, usize, DistributedParamId, ShardTensor<B>)>,
-        }
-        impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Take<'_, B> {
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
-                let Some((_, mark, m)) = self.marks.get(p.id) else {
-                    return;
-                };
-                if !Arc::ptr_eq(m, self.model) {
-                    return;
-                }
-                if let Some(g) = self.grads.remove::<Shard<B>, D>(p.id) {
-                    self.taken
-                        .push((p.id, D, *mark, g.into_primitive().tensor()));
-                }
+    /// Takes the gradients of one model's parameters, in module order (the same on every rank).
+    struct Take<'a, B: Backend> {
+        grads: &'a mut GradientsParams,
+        marks: &'a Marks<B>,
+        model: &'a Arc<ModelState<B>>,
+        taken: Vec<(ParamId, DistributedParamId, ShardTensor<B>)>,
+    }
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Take<'_, B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+            let Some(mark) = self.marks.in_model(p.id, self.model) else {
+                return;
+            };
+            if let Some(g) = self.grads.remove::<Shard<B>, D>(p.id) {
+                self.taken.push((p.id, mark, g.into_primitive().tensor()));
             }
         }
+    }
+    /// Puts the reduced gradients back (the visitor knows each parameter's rank `D`).
+    struct Put<'a, B: Backend> {
+        grads: &'a mut GradientsParams,
+        reduced: HashMap<ParamId, ShardTensor<B>>,
+    }
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Put<'_, B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+            if let Some(g) = self.reduced.remove(&p.id) {
+                let g = Tensor::<Shard<B>, D>::from_primitive(TensorPrimitive::Float(g));
+                self.grads.register::<Shard<B>, D>(p.id, g);
+            }
+        }
+    }
+    let marks = Marks::<B>::of::<AB, M>(module);
+    let mut reduced = HashMap::new();
+    for m in marks.models() {
         let mut take = Take {
             grads: &mut grads,
             marks: &marks,
@@ -464,55 +483,29 @@ where
         };
         module.visit(&mut take);
         let taken = take.taken;
-        let mut start = 0;
-        while start < taken.len() {
-            let mut end = start;
-            let mut bytes = 0;
-            while end < taken.len() && (end == start || bytes < m.config.bucket_bytes) {
-                bytes += taken[end].3.local_bytes();
-                end += 1;
-            }
-            let bucket: Vec<(ShardTensor<B>, burn_std::Shape)> = taken[start..end]
+        let sizes: Vec<((), usize)> = taken
+            .iter()
+            .map(|(_, _, g)| ((), g.local_bytes()))
+            .collect();
+        for run in buckets(&sizes, m.config.bucket_bytes) {
+            let bucket = &taken[run];
+            let grads = bucket
                 .iter()
-                .map(|(_, _, _, g)| {
-                    let shape = burn_backend::TensorMetadata::shape(g);
-                    (g.clone(), shape)
-                })
+                .map(|(_, _, g)| (g.clone(), burn_backend::TensorMetadata::shape(g)))
                 .collect();
-            let reduced = reduce(&m, bucket);
+            let results = reduce(&m, grads);
             let mut d = m.lock();
-            for ((pid, dims, mark, _), g) in taken[start..end].iter().zip(reduced) {
+            for ((pid, mark, _), g) in bucket.iter().zip(results) {
                 d.synced.insert(*mark);
-                register_grad::<B>(&mut grads, *pid, *dims, g);
+                reduced.insert(*pid, g);
             }
-            start = end;
         }
     }
+    module.visit(&mut Put {
+        grads: &mut grads,
+        reduced,
+    });
     grads
-}
-
-fn register_grad<B: Backend>(
-    grads: &mut GradientsParams,
-    id: ParamId,
-    dims: usize,
-    g: ShardTensor<B>,
-) {
-    fn reg<B: Backend, const D: usize>(
-        grads: &mut GradientsParams,
-        id: ParamId,
-        g: ShardTensor<B>,
-    ) {
-        grads.register::<Shard<B>, D>(id, Tensor::from_primitive(TensorPrimitive::Float(g)));
-    }
-    match dims {
-        1 => reg::<B, 1>(grads, id, g),
-        2 => reg::<B, 2>(grads, id, g),
-        3 => reg::<B, 3>(grads, id, g),
-        4 => reg::<B, 4>(grads, id, g),
-        5 => reg::<B, 5>(grads, id, g),
-        6 => reg::<B, 6>(grads, id, g),
-        d => panic!("kiln: a parameter of rank {d} (up to 6 supported)"),
-    }
 }
 
 /// Forgets a sharded model's gradient-sync registrations (its state and groups are freed once

@@ -2,12 +2,12 @@
 //! rank 0 (or scattered as shards), or fingerprints compared when the caller vouches for them.
 
 use crate::ops::policy::{Host, local, read, slice_local, write};
-use crate::state::ShardError;
+use crate::state::{ShardError, buckets};
 use crate::strategy::replace_primitive;
 use crate::{Shard, ShardTensor};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId, ParamMapper};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use burn_backend::TensorMetadata;
 use kiln_comm::hash::Fnv1a;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
@@ -291,51 +291,56 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: Module<AB>,
 {
-    // The plan: every tensor's kind and size, in module order (the same on every rank).
+    // The plan: every tensor's index, kind and size, in module order (the same on every rank).
+    // A bucket holds one kind: floats travel in their own dtype, ints and bools as i64.
     #[derive(Default)]
     struct Plan {
-        sizes: Vec<(Kind, usize)>,
+        tensors: Vec<(usize, Kind, usize)>,
+        floats: bool,
+        at: usize,
     }
     #[derive(Clone, Copy, PartialEq)]
     enum Kind {
-        Float,
+        Float(DType),
         Int,
-        Bool,
+    }
+    impl Plan {
+        fn push(&mut self, kind: Kind, numel: usize) {
+            if self.floats || kind == Kind::Int {
+                let size = match kind {
+                    Kind::Float(dtype) => numel * dtype.size(),
+                    Kind::Int => numel * 8,
+                };
+                self.tensors.push((self.at, kind, size));
+            }
+            self.at += 1;
+        }
     }
     impl<AB: Backend> ModuleVisitor<AB> for Plan {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
-            self.sizes
-                .push((Kind::Float, p.lazy_shape().num_elements() * 4));
+            // `shard` has initialised every parameter it leaves replicated.
+            let t = p.val();
+            self.push(Kind::Float(t.dtype()), t.shape().num_elements());
         }
         fn visit_int<const D: usize>(&mut self, p: &Param<Tensor<AB, D, Int>>) {
-            self.sizes
-                .push((Kind::Int, p.val().shape().num_elements() * 8));
+            self.push(Kind::Int, p.val().shape().num_elements());
         }
         fn visit_bool<const D: usize>(&mut self, p: &Param<Tensor<AB, D, Bool>>) {
-            self.sizes
-                .push((Kind::Bool, p.val().shape().num_elements() * 8));
+            self.push(Kind::Int, p.val().shape().num_elements());
         }
     }
-    let mut plan = Plan::default();
+    let mut plan = Plan {
+        floats,
+        ..Plan::default()
+    };
     module.visit(&mut plan);
-    let wanted = |k: Kind| k != Kind::Float || floats;
-    let mut buckets: Vec<Vec<usize>> = Vec::new();
-    let mut bytes = 0;
-    // A bucket holds one kind (floats travel in their own dtype, ints and bools as i64).
-    let mut kind = None;
-    for (i, &(k, size)) in plan.sizes.iter().enumerate() {
-        if !wanted(k) {
-            continue;
-        }
-        let fits = kind == Some(k) && bytes < bucket_bytes;
-        if !fits {
-            buckets.push(Vec::new());
-            bytes = 0;
-            kind = Some(k);
-        }
-        buckets.last_mut().expect("pushed").push(i);
-        bytes += size;
-    }
+    let sizes: Vec<(Kind, usize)> = plan.tensors.iter().map(|&(_, k, n)| (k, n)).collect();
+    let buckets = buckets(&sizes, bucket_bytes).into_iter().map(|run| {
+        plan.tensors[run]
+            .iter()
+            .map(|&(i, _, _)| i)
+            .collect::<Vec<_>>()
+    });
     for bucket in buckets {
         module = broadcast_bucket::<B, AB, M>(module, group, &bucket)?;
     }

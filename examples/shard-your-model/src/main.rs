@@ -245,6 +245,9 @@ fn report(args: &Args, world: usize, single: &Run, sharded: &Run) -> Res<()> {
         single.optimizer_bytes,
         sharded.sent_per_step
     );
+    if sharded.trained.initial != single.trained.initial {
+        return Err("the runs did not start from the same weights".into());
+    }
     if one[one.len() - 1] >= one[0] {
         return Err("the single-device run did not learn: the loss did not fall".into());
     }
