@@ -10,9 +10,10 @@ use crate::error::{CommError, OpContext, OpKind, Result};
 use crate::hash::Fnv1a;
 use crate::shard::shard_range;
 use crate::stats::{CommStats, Counters};
-use crate::transport::{Header, Lane, Message, RecvError, Transport};
+use crate::transport::{Header, Lane, Payload, RecvError, Transport};
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -310,36 +311,13 @@ impl GroupCore {
 
     fn all_reduce_t<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let mut o = self.begin(OpKind::AllReduce, T::DTYPE, buf.len(), op.code(), 0)?;
-        let (n, r) = (self.world_size(), self.rank);
-        let len = buf.len();
-        let chunk = |i: usize| shard_range(len, n, i % n);
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-        let result = (|| {
-            if n == 1 {
-                return Ok(());
+        let result = match self.world_size() {
+            1 => Ok(()),
+            n if std::mem::size_of_val(buf) <= DIRECT_BYTES => {
+                all_reduce_direct(&mut o, n, self.rank, buf, op)
             }
-            // Reduce-scatter: after step s, chunk (r-s-1) holds s+2 contributions.
-            for s in 0..n - 1 {
-                o.send(right, s, &buf[chunk(r + n - s)])?;
-                let data = o.recv(left, s)?;
-                reduce_into(
-                    &mut buf[chunk(r + 2 * n - s - 1)],
-                    &bytes_as::<T>(&data),
-                    op,
-                );
-            }
-            // Rank r now holds the complete chunk r+1.
-            if op == ReduceOp::Avg {
-                buf[chunk(r + 1)].iter_mut().for_each(|x| *x = x.div(n));
-            }
-            // All-gather the complete chunks around the ring.
-            for s in 0..n - 1 {
-                o.send(right, n + s, &buf[chunk(r + 1 + n - s)])?;
-                let data = o.recv(left, n + s)?;
-                buf[chunk(r + n - s)].copy_from_slice(&bytes_as::<T>(&data));
-            }
-            Ok(())
-        })();
+            n => all_reduce_ring(&mut o, n, self.rank, buf, op),
+        };
         o.finish(result)
     }
 
@@ -378,15 +356,7 @@ impl GroupCore {
         }
         let mut o = self.begin(OpKind::AllGather, T::DTYPE, len, 0, 0)?;
         output[chunk(r)].copy_from_slice(input);
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-        let result = (|| {
-            for s in 0..n.saturating_sub(1) {
-                o.send(right, s, &output[chunk(r + n - s)])?;
-                let data = o.recv(left, s)?;
-                output[chunk(r + 2 * n - s - 1)].copy_from_slice(&bytes_as::<T>(&data));
-            }
-            Ok(())
-        })();
+        let result = ring_all_gather(&mut o, n, r, output, 0, 0);
         o.finish(result)
     }
 
@@ -425,29 +395,12 @@ impl GroupCore {
             ));
         }
         let mut o = self.begin(OpKind::ReduceScatter, T::DTYPE, len, op.code(), 0)?;
-        let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-        let result = (|| {
-            if n == 1 {
-                output.copy_from_slice(input);
-                return Ok(());
-            }
-            // The all-reduce's first phase shifted by one chunk, so that rank r ends with chunk r.
-            // Only the chunks in flight are copied, never the whole input.
-            let mut acc: Vec<T> = input[chunk(r + n - 1)].to_vec();
-            for s in 0..n - 1 {
-                o.send(right, s, &acc)?;
-                let data = o.recv(left, s)?;
-                let c = chunk(r + 2 * n - s - 2);
-                acc.clear();
-                acc.extend_from_slice(&input[c]);
-                reduce_into(&mut acc, &bytes_as::<T>(&data), op);
-            }
-            if op == ReduceOp::Avg {
-                acc.iter_mut().for_each(|x| *x = x.div(n));
-            }
-            output.copy_from_slice(&acc);
+        let result = if n == 1 {
+            output.copy_from_slice(input);
             Ok(())
-        })();
+        } else {
+            ring_reduce_scatter(&mut o, n, r, input, output, op)
+        };
         o.finish(result)
     }
 
@@ -462,7 +415,6 @@ impl GroupCore {
     }
 
     fn broadcast_t<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        const DIRECT_BYTES: usize = 64 << 10;
         let mut o = self.begin(OpKind::Broadcast, T::DTYPE, buf.len(), 0, root as u32)?;
         let (n, r) = (self.world_size(), self.rank);
         let len = buf.len();
@@ -478,8 +430,7 @@ impl GroupCore {
                         o.send(peer, 0, buf)?;
                     }
                 } else {
-                    let data = o.recv(root, 0)?;
-                    buf.copy_from_slice(&bytes_as::<T>(&data));
+                    recv_into(&mut o, root, 0, buf, |dst, data| dst.copy_from_slice(data))?;
                 }
                 return Ok(());
             }
@@ -487,19 +438,14 @@ impl GroupCore {
             // rank sends more than 2 (N-1)/N of the buffer.
             if r == root {
                 for peer in (0..n).filter(|&p| p != root) {
-                    o.send(peer, 0, &buf[chunk(peer)])?;
+                    send_pieces(&mut o, peer, 0, &buf[chunk(peer)])?;
                 }
             } else {
-                let data = o.recv(root, 0)?;
-                buf[chunk(r)].copy_from_slice(&bytes_as::<T>(&data));
+                recv_into(&mut o, root, 0, &mut buf[chunk(r)], |dst, data| {
+                    dst.copy_from_slice(data)
+                })?;
             }
-            let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-            for s in 0..n - 1 {
-                o.send(right, 1 + s, &buf[chunk(r + n - s)])?;
-                let data = o.recv(left, 1 + s)?;
-                buf[chunk(r + 2 * n - s - 1)].copy_from_slice(&bytes_as::<T>(&data));
-            }
-            Ok(())
+            ring_all_gather(&mut o, n, r, buf, 0, 1)
         })();
         o.finish(result)
     }
@@ -547,11 +493,7 @@ impl GroupCore {
             step: 0,
             payload_len: bytes.len() as u64,
         };
-        let msg = Message {
-            header,
-            payload: bytes.to_vec(),
-        };
-        match self.transport.send(self.members[dst], msg) {
+        match self.transport.send(self.members[dst], header, bytes) {
             Ok(()) => {
                 self.counters.sent(OpKind::SendRecv, bytes.len());
                 Ok(())
@@ -615,6 +557,303 @@ fn recv_error(op: OpContext, peer: usize, timeout: Duration, e: RecvError) -> Co
     }
 }
 
+/// Collectives of at most this many bytes take the latency-bound path: every rank sends to
+/// every other directly, one message per peer, instead of a ring's 2 (N-1) steps.
+const DIRECT_BYTES: usize = 64 << 10;
+
+/// A ring step's chunk travels in pieces of this size, so the receiver reduces piece k while
+/// piece k+1 is on the wire (and in cache), instead of waiting for the whole chunk.
+const PIECE_BYTES: usize = 512 << 10;
+
+fn piece_elems<T>() -> usize {
+    (PIECE_BYTES / std::mem::size_of::<T>()).max(1)
+}
+
+/// Small all-reduce: every rank sends its buffer to every other and reduces all N buffers
+/// itself, in rank order 0..N, so every rank computes the same bits.
+fn all_reduce_direct<T: Element>(
+    o: &mut Op<'_>,
+    n: usize,
+    r: usize,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    for peer in (0..n).filter(|&p| p != r) {
+        o.send(peer, 0, buf)?;
+    }
+    let mut theirs = Vec::with_capacity(n);
+    for peer in 0..n {
+        theirs.push(if peer == r {
+            None
+        } else {
+            Some(o.recv_piece::<T>(peer, 0, buf.len(), true)?)
+        });
+    }
+    let own = buf.to_vec();
+    for (q, payload) in theirs.iter().enumerate() {
+        let part = match payload {
+            Some(p) => bytes_as::<T>(p),
+            None => std::borrow::Cow::Borrowed(&own[..]),
+        };
+        if q == 0 {
+            buf.copy_from_slice(&part);
+        } else {
+            reduce_into(buf, &part, op);
+        }
+    }
+    if op == ReduceOp::Avg {
+        buf.iter_mut().for_each(|x| *x = x.div(n));
+    }
+    Ok(())
+}
+
+/// Ring all-reduce: a reduce-scatter (after step s, chunk r-s-1 holds s+2 contributions and
+/// rank r ends with chunk r+1 complete), then an all-gather of the complete chunks.
+fn all_reduce_ring<T: Element>(
+    o: &mut Op<'_>,
+    n: usize,
+    r: usize,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let len = buf.len();
+    let chunk = |i: usize| shard_range(len, n, i % n);
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    for s in 0..n - 1 {
+        let last = s == n - 2;
+        let (send, recv) = (chunk(r + n - s), chunk(r + 2 * n - s - 1));
+        ring_step(
+            o,
+            s,
+            (right, left),
+            buf,
+            Src::Out(send),
+            recv,
+            |dst, _, data| {
+                reduce_into(dst, data, op);
+                // The chunk is complete: average it before it travels on.
+                if last && op == ReduceOp::Avg {
+                    dst.iter_mut().for_each(|x| *x = x.div(n));
+                }
+            },
+        )?;
+    }
+    ring_all_gather(o, n, r, buf, 1, n)
+}
+
+/// The ring all-gather of chunks already complete on their owners, rank `(r + owner_shift)`'s
+/// chunk being complete on rank r; ring steps are numbered from `first_step`.
+fn ring_all_gather<T: Element>(
+    o: &mut Op<'_>,
+    n: usize,
+    r: usize,
+    buf: &mut [T],
+    owner_shift: usize,
+    first_step: usize,
+) -> Result<()> {
+    let len = buf.len();
+    let chunk = |i: usize| shard_range(len, n, i % n);
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    for s in 0..n - 1 {
+        let send = chunk(r + owner_shift + n - s);
+        let recv = chunk(r + owner_shift + 2 * n - s - 1);
+        ring_step(
+            o,
+            first_step + s,
+            (right, left),
+            buf,
+            Src::Out(send),
+            recv,
+            |dst, _, data| dst.copy_from_slice(data),
+        )?;
+    }
+    Ok(())
+}
+
+/// The all-reduce's first phase shifted by one chunk, so that rank r ends with chunk r. Two
+/// chunk-sized accumulators alternate (one travelling, one being reduced into); the last step
+/// reduces straight into `output`, and the input is never copied whole.
+fn ring_reduce_scatter<T: Element>(
+    o: &mut Op<'_>,
+    n: usize,
+    r: usize,
+    input: &[T],
+    output: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let len = input.len();
+    let chunk = |i: usize| shard_range(len, n, i % n);
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let cap = chunk(0).len();
+    let (mut acc, mut next) = (Vec::new(), Vec::new());
+    for s in 0..n - 1 {
+        let last = s == n - 2;
+        let recv = chunk(r + 2 * n - s - 2);
+        let own = &input[recv.clone()];
+        let land = |dst: &mut [T], off: usize, data: &[T]| {
+            for (i, (d, &x)) in dst.iter_mut().zip(data).enumerate() {
+                *d = T::combine(own[off + i], x, op);
+            }
+            if last && op == ReduceOp::Avg {
+                dst.iter_mut().for_each(|x| *x = x.div(n));
+            }
+        };
+        let src = if s == 0 {
+            Src::Other(&input[chunk(r + n - 1)])
+        } else {
+            Src::Other(&acc[..])
+        };
+        if last {
+            ring_step(o, s, (right, left), output, src, 0..recv.len(), land)?;
+        } else {
+            next.resize(cap, T::zeroed());
+            ring_step(o, s, (right, left), &mut next, src, 0..recv.len(), land)?;
+            next.truncate(recv.len());
+            std::mem::swap(&mut acc, &mut next);
+        }
+    }
+    Ok(())
+}
+
+/// Where a ring step's outgoing chunk lives: in the buffer being received into (a range
+/// disjoint from the one received), or elsewhere.
+enum Src<'s, T> {
+    Out(Range<usize>),
+    Other(&'s [T]),
+}
+
+/// One pipelined ring step: sends the chunk `src` to `right` and receives `out[recv]` from
+/// `left`, both in pieces of [`PIECE_BYTES`]. Each received piece goes to
+/// `land(destination, offset in the chunk, data)` as soon as it arrives; sending stays one
+/// piece ahead of receiving, so the neighbours always have a piece on the wire while this rank
+/// reduces. Sends never wait for the receiver (the transport queues), so no ordering of the
+/// ring can deadlock.
+fn ring_step<T: Element>(
+    o: &mut Op<'_>,
+    step: usize,
+    (right, left): (usize, usize),
+    out: &mut [T],
+    src: Src<'_, T>,
+    recv: Range<usize>,
+    mut land: impl FnMut(&mut [T], usize, &[T]),
+) -> Result<()> {
+    let mut outgoing = Outgoing::new(src, (right, step));
+    outgoing.send_next(o, out)?;
+    let mut got = 0;
+    loop {
+        outgoing.send_next(o, out)?;
+        let payload = o.recv_piece::<T>(left, step, recv.len() - got, false)?;
+        let data = bytes_as::<T>(&payload);
+        let at = recv.start + got;
+        land(&mut out[at..at + data.len()], got, &data);
+        got += data.len();
+        if got >= recv.len() {
+            break;
+        }
+    }
+    while outgoing.send_next(o, out)? {}
+    Ok(())
+}
+
+/// A chunk being sent piece by piece.
+struct Outgoing<'s, T> {
+    src: Src<'s, T>,
+    pieces: Pieces,
+    peer: usize,
+    step: usize,
+}
+
+impl<'s, T: Element> Outgoing<'s, T> {
+    fn new(src: Src<'s, T>, (peer, step): (usize, usize)) -> Self {
+        let len = match &src {
+            Src::Out(range) => range.len(),
+            Src::Other(s) => s.len(),
+        };
+        Outgoing {
+            src,
+            pieces: Pieces::new(len, piece_elems::<T>()),
+            peer,
+            step,
+        }
+    }
+
+    /// Sends the next piece, if any is left; false once the chunk is all sent.
+    fn send_next(&mut self, o: &mut Op<'_>, out: &[T]) -> Result<bool> {
+        let Some(p) = self.pieces.next() else {
+            return Ok(false);
+        };
+        let data = match &self.src {
+            Src::Out(range) => &out[range.start + p.start..range.start + p.end],
+            Src::Other(s) => &s[p],
+        };
+        o.send(self.peer, self.step, data)?;
+        Ok(true)
+    }
+}
+
+/// Sends `data` to `peer` in pieces.
+fn send_pieces<T: Element>(o: &mut Op<'_>, peer: usize, step: usize, data: &[T]) -> Result<()> {
+    for p in Pieces::new(data.len(), piece_elems::<T>()) {
+        o.send(peer, step, &data[p])?;
+    }
+    Ok(())
+}
+
+/// Receives `out.len()` elements from `peer`, in whatever pieces it sent them, handing each
+/// piece to `land(destination, data)`.
+fn recv_into<T: Element>(
+    o: &mut Op<'_>,
+    peer: usize,
+    step: usize,
+    out: &mut [T],
+    mut land: impl FnMut(&mut [T], &[T]),
+) -> Result<()> {
+    let mut got = 0;
+    loop {
+        let payload = o.recv_piece::<T>(peer, step, out.len() - got, false)?;
+        let data = bytes_as::<T>(&payload);
+        land(&mut out[got..got + data.len()], &data);
+        got += data.len();
+        if got >= out.len() {
+            return Ok(());
+        }
+    }
+}
+
+/// The piece ranges of a chunk of `len` elements: at least one piece (an empty chunk still
+/// sends one empty message, so the receiver's header checks run).
+struct Pieces {
+    len: usize,
+    piece: usize,
+    at: usize,
+    started: bool,
+}
+
+impl Pieces {
+    fn new(len: usize, piece: usize) -> Self {
+        Pieces {
+            len,
+            piece,
+            at: 0,
+            started: false,
+        }
+    }
+}
+
+impl Iterator for Pieces {
+    type Item = Range<usize>;
+    fn next(&mut self) -> Option<Range<usize>> {
+        if self.started && self.at >= self.len {
+            return None;
+        }
+        self.started = true;
+        let end = (self.at + self.piece).min(self.len);
+        let p = self.at..end;
+        self.at = end;
+        Some(p)
+    }
+}
+
 fn describe(h: &Header) -> String {
     let mut s = format!("{} #{} ({}, {} elements", h.kind, h.seq, h.dtype, h.total);
     match h.kind {
@@ -645,26 +884,25 @@ impl Op<'_> {
     }
 
     fn send<T: Element>(&mut self, peer: usize, step: usize, data: &[T]) -> Result<()> {
-        let payload = bytemuck::cast_slice::<T, u8>(data).to_vec();
-        let bytes = payload.len();
+        let payload = bytemuck::cast_slice::<T, u8>(data);
         let header = Header {
             step: step as u32,
-            payload_len: bytes as u64,
+            payload_len: payload.len() as u64,
             ..self.header
         };
         self.core
             .transport
-            .send(self.core.members[peer], Message { header, payload })
+            .send(self.core.members[peer], header, payload)
             .map_err(|reason| CommError::PeerLost {
                 op: self.ctx(),
                 peer,
                 reason,
             })?;
-        self.core.counters.sent(self.header.kind, bytes);
+        self.core.counters.sent(self.header.kind, payload.len());
         Ok(())
     }
 
-    fn recv(&mut self, peer: usize, step: usize) -> Result<Vec<u8>> {
+    fn recv(&mut self, peer: usize, step: usize) -> Result<Payload> {
         let msg = self
             .core
             .transport
@@ -692,6 +930,38 @@ impl Op<'_> {
         }
         self.core.counters.received(h.kind, msg.payload.len());
         Ok(msg.payload)
+    }
+
+    /// Receives one piece of at most `room` elements of `T` (exactly `room` if `whole`), or an
+    /// empty piece when `room` is 0. A piece that does not fit means the peer's algorithm
+    /// disagrees with this rank's: a mismatch, never a panic on a short copy.
+    fn recv_piece<T: Element>(
+        &mut self,
+        peer: usize,
+        step: usize,
+        room: usize,
+        whole: bool,
+    ) -> Result<Payload> {
+        let payload = self.recv(peer, step)?;
+        let size = std::mem::size_of::<T>();
+        let elems = payload.len() / size;
+        let fits = payload.len() % size == 0
+            && elems <= room
+            && (elems > 0 || room == 0)
+            && (!whole || elems == room);
+        if !fits {
+            return Err(CommError::Mismatch {
+                op: self.ctx(),
+                peer,
+                expected: format!("step {step} of {}", describe(&self.header)),
+                found: format!(
+                    "a piece of {} bytes where {room} elements of {} fit",
+                    payload.len(),
+                    T::DTYPE
+                ),
+            });
+        }
+        Ok(payload)
     }
 
     /// Ends the collective, poisoning the group if it failed.
@@ -770,3 +1040,90 @@ macro_rules! delegate_process_group {
     };
 }
 pub(crate) use delegate_process_group;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LocalGroup, ProcessGroup, spawn_ranks};
+
+    /// Several pieces per chunk, and chunks whose lengths differ by one element.
+    fn long_len<T>(n: usize) -> usize {
+        n * 2 * piece_elems::<T>() + 7
+    }
+
+    fn value(rank: usize, i: usize) -> i64 {
+        ((i * 7919 + rank * 104_729) % 1000) as i64 - 500
+    }
+
+    #[test]
+    fn pipelined_collectives_agree_with_a_plain_reference() {
+        for n in [2usize, 3, 4] {
+            let len = long_len::<i64>(n);
+            let expected: Vec<i64> = (0..len)
+                .map(|i| (0..n).map(|r| value(r, i)).sum())
+                .collect();
+            spawn_ranks(n, |g: LocalGroup| {
+                let r = g.rank();
+                let mine: Vec<i64> = (0..len).map(|i| value(r, i)).collect();
+                let mut v = mine.clone();
+                g.all_reduce((&mut v[..]).into(), ReduceOp::Sum).unwrap();
+                assert_eq!(v, expected, "all_reduce, N={n}");
+
+                let range = shard_range(len, n, r);
+                let mut shard = vec![0i64; range.len()];
+                g.reduce_scatter((&mine[..]).into(), (&mut shard[..]).into(), ReduceOp::Sum)
+                    .unwrap();
+                assert_eq!(shard, expected[range], "reduce_scatter, N={n}");
+
+                let mut whole = vec![0i64; len];
+                g.all_gather((&shard[..]).into(), (&mut whole[..]).into())
+                    .unwrap();
+                assert_eq!(whole, expected, "all_gather, N={n}");
+
+                let mut b = if r == n - 1 {
+                    mine.clone()
+                } else {
+                    vec![0; len]
+                };
+                g.broadcast((&mut b[..]).into(), n - 1).unwrap();
+                let root: Vec<i64> = (0..len).map(|i| value(n - 1, i)).collect();
+                assert_eq!(b, root, "broadcast, N={n}");
+            });
+        }
+    }
+
+    #[test]
+    fn pipelined_float_results_are_bitwise_identical_on_every_rank() {
+        let n = 3;
+        let len = long_len::<half::bf16>(n);
+        let results = spawn_ranks(n, |g: LocalGroup| {
+            let mut v: Vec<half::bf16> = (0..len)
+                .map(|i| half::bf16::from_f32(((i * 31 + g.rank() * 17) as f32).sin()))
+                .collect();
+            g.all_reduce((&mut v[..]).into(), ReduceOp::Avg).unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        });
+        assert!(results.windows(2).all(|w| w[0] == w[1]));
+    }
+
+    #[test]
+    fn direct_all_reduce_sums_in_rank_order_on_every_rank() {
+        let results = spawn_ranks(4, |g: LocalGroup| {
+            let mut v: Vec<f32> = (0..100)
+                .map(|i| ((i * 13 + g.rank() * 5) as f32).cos() * 1e7)
+                .collect();
+            g.all_reduce((&mut v[..]).into(), ReduceOp::Sum).unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        });
+        let expected: Vec<u32> = (0..100)
+            .map(|i| {
+                (0..4)
+                    .map(|r| ((i * 13 + r * 5) as f32).cos() * 1e7)
+                    .reduce(|a, b| a + b)
+                    .unwrap()
+                    .to_bits()
+            })
+            .collect();
+        assert!(results.iter().all(|r| *r == expected));
+    }
+}

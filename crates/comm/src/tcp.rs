@@ -11,7 +11,7 @@ use crate::error::{CommError, Result};
 use crate::group::{GroupCore, GroupOptions, delegate_process_group};
 use crate::store::{StoreClient, StoreServer};
 use crate::transport::{FailureNote, Header, Lane, Mailbox, Message, Transport};
-use std::io::{BufReader, Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -39,9 +39,10 @@ impl Transport for TcpTransport {
     fn kind(&self) -> &'static str {
         "tcp"
     }
-    fn send(&self, dst: usize, msg: Message) -> Result<(), String> {
+    fn send(&self, dst: usize, header: Header, payload: &[u8]) -> Result<(), String> {
         if dst == self.rank {
-            self.mailbox.push(dst, msg);
+            let payload = self.mailbox.pool().copy_of(payload);
+            self.mailbox.push(dst, Message { header, payload });
             return Ok(());
         }
         let conn = self.peers[dst]
@@ -50,17 +51,8 @@ impl Transport for TcpTransport {
         let mut conn = conn
             .lock()
             .map_err(|_| "connection lock poisoned".to_string())?;
-        let header = msg.header.encode();
-        let io = |e: std::io::Error| format!("sending to rank {dst} failed: {e}");
-        if msg.payload.len() <= 64 << 10 {
-            let mut frame = Vec::with_capacity(Header::WIRE + msg.payload.len());
-            frame.extend_from_slice(&header);
-            frame.extend_from_slice(&msg.payload);
-            conn.write_all(&frame).map_err(io)
-        } else {
-            conn.write_all(&header).map_err(io)?;
-            conn.write_all(&msg.payload).map_err(io)
-        }
+        write_frame(&mut conn, &header.encode(), payload)
+            .map_err(|e| format!("sending to rank {dst} failed: {e}"))
     }
     fn mailbox(&self) -> &Mailbox {
         &self.mailbox
@@ -98,11 +90,30 @@ impl Drop for TcpTransport {
     }
 }
 
-fn read_loop(peer: usize, stream: TcpStream, mailbox: Arc<Mailbox>) {
-    let mut r = BufReader::with_capacity(1 << 20, stream);
+/// Writes a header and its payload straight from the caller's buffer, in one system call when
+/// the socket takes it all: with `TCP_NODELAY` a header written alone would go out as a
+/// segment of its own.
+fn write_frame(w: &mut TcpStream, header: &[u8], payload: &[u8]) -> std::io::Result<()> {
+    let mut parts = [IoSlice::new(header), IoSlice::new(payload)];
+    let mut rest = &mut parts[..];
+    while !rest.is_empty() {
+        match w.write_vectored(rest) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut rest, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Files the messages from `peer` into `mailbox` until the connection ends. Payloads are read
+/// straight from the socket into pooled buffers (no intermediate buffering), which the
+/// collective reduces from and hands back.
+fn read_loop(peer: usize, mut stream: TcpStream, mailbox: Arc<Mailbox>) {
     let reason = loop {
         let mut hb = [0u8; Header::WIRE];
-        if let Err(e) = r.read_exact(&mut hb) {
+        if let Err(e) = stream.read_exact(&mut hb) {
             break if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 format!("rank {peer} closed its connection (process exited or dropped its group)")
             } else {
@@ -113,8 +124,8 @@ fn read_loop(peer: usize, stream: TcpStream, mailbox: Arc<Mailbox>) {
             Ok(h) => h,
             Err(e) => break format!("from rank {peer}: {e}"),
         };
-        let mut payload = vec![0u8; header.payload_len as usize];
-        if let Err(e) = r.read_exact(&mut payload) {
+        let mut payload = mailbox.pool().take(header.payload_len as usize);
+        if let Err(e) = stream.read_exact(payload.as_mut()) {
             break format!("connection to rank {peer} failed mid-message: {e}");
         }
         if header.lane == Lane::Goodbye {

@@ -10,7 +10,7 @@
 use crate::dtype::DType;
 use crate::error::OpKind;
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 /// Collective traffic and point-to-point traffic queue separately, so a `send` issued before a
@@ -92,7 +92,99 @@ impl Header {
 #[derive(Debug)]
 pub(crate) struct Message {
     pub header: Header,
-    pub payload: Vec<u8>,
+    pub payload: Payload,
+}
+
+/// Received bytes in a buffer borrowed from a [`BufPool`]; dropping the payload returns the
+/// buffer, so a collective's thousands of pieces reuse a handful of allocations instead of
+/// faulting in fresh pages for each.
+#[derive(Debug)]
+pub(crate) struct Payload {
+    /// Always fully initialised; only the first `len` bytes are the payload.
+    buf: Vec<u8>,
+    len: usize,
+    pool: Option<Arc<BufPool>>,
+}
+
+impl Payload {
+    /// A payload that owns `bytes` outright (no pool).
+    #[cfg(test)]
+    pub fn owned(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        Payload {
+            buf: bytes,
+            len,
+            pool: None,
+        }
+    }
+
+    /// The payload's bytes, to be filled by a reader.
+    pub fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.len]
+    }
+}
+
+impl std::ops::Deref for Payload {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl Drop for Payload {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.put(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+/// Reusable receive buffers. Buffers keep their full length (zeroed once, when allocated), so
+/// reusing one costs no memset.
+#[derive(Debug, Default)]
+pub(crate) struct BufPool {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+impl BufPool {
+    /// Buffers above this size are not kept: large one-off messages (p2p, unpipelined sends)
+    /// would pin memory.
+    const MAX_KEPT_BYTES: usize = 8 << 20;
+    /// A collective has at most a few pieces in flight per peer.
+    const MAX_KEPT: usize = 32;
+
+    /// A payload of `len` bytes (contents unspecified).
+    pub fn take(self: &Arc<Self>, len: usize) -> Payload {
+        let reused = {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            free.iter()
+                .position(|b| b.len() >= len)
+                .map(|i| free.swap_remove(i))
+        };
+        let buf = reused.unwrap_or_else(|| vec![0u8; len]);
+        Payload {
+            buf,
+            len,
+            pool: (len <= Self::MAX_KEPT_BYTES).then(|| self.clone()),
+        }
+    }
+
+    /// A payload holding a copy of `bytes`.
+    pub fn copy_of(self: &Arc<Self>, bytes: &[u8]) -> Payload {
+        let mut p = self.take(bytes.len());
+        p.as_mut().copy_from_slice(bytes);
+        p
+    }
+
+    fn put(&self, buf: Vec<u8>) {
+        if buf.len() > Self::MAX_KEPT_BYTES {
+            return;
+        }
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < Self::MAX_KEPT {
+            free.push(buf);
+        }
+    }
 }
 
 /// Why a receive failed.
@@ -114,9 +206,16 @@ struct MailboxState {
 pub(crate) struct Mailbox {
     state: Mutex<MailboxState>,
     arrived: Condvar,
+    /// Buffers that messages for this rank arrive in.
+    pool: Arc<BufPool>,
 }
 
 impl Mailbox {
+    /// The buffers that messages for this rank are received into.
+    pub fn pool(&self) -> &Arc<BufPool> {
+        &self.pool
+    }
+
     pub fn push(&self, src: usize, msg: Message) {
         let mut state = self.state.lock().expect("mailbox lock");
         let key = (msg.header.group, src, msg.header.lane);
@@ -172,8 +271,10 @@ pub(crate) trait Transport: Send + Sync + std::fmt::Debug + 'static {
     fn world_size(&self) -> usize;
     /// "local" or "tcp".
     fn kind(&self) -> &'static str;
-    /// Delivers `msg` to `dst`'s mailbox; never waits for `dst` to receive it.
-    fn send(&self, dst: usize, msg: Message) -> Result<(), String>;
+    /// Delivers `payload` under `header` (whose `payload_len` must be `payload.len()`) to
+    /// `dst`'s mailbox; never waits for `dst` to receive it. The bytes are copied (or
+    /// written to the socket) before it returns, so the caller may reuse them at once.
+    fn send(&self, dst: usize, header: Header, payload: &[u8]) -> Result<(), String>;
     fn mailbox(&self) -> &Mailbox;
     /// Records why this rank's group failed, so that peers learn the cause when this rank
     /// goes away (rather than only that it went away).
@@ -240,7 +341,7 @@ mod tests {
                     lane: Lane::Collective,
                     ..header()
                 },
-                payload: vec![1],
+                payload: Payload::owned(vec![1]),
             },
         );
         mb.close(1, "gone".into());
