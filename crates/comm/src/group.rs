@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 /// Buffers split over the group ([`all_gather`](ProcessGroup::all_gather),
 /// [`reduce_scatter`](ProcessGroup::reduce_scatter)) use [`shard_range`]: any length works,
 /// shards differ by at most one element.
-pub trait ProcessGroup: Send + Sync + fmt::Debug {
+pub trait ProcessGroup: AsAny + Send + Sync + fmt::Debug {
     /// This rank's index in the group.
     fn rank(&self) -> usize;
     /// The number of ranks in the group.
@@ -56,6 +56,15 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     fn send(&self, buf: BufRef<'_>, dst: usize) -> Result<()>;
     /// Receives into `buf` what rank `src` sent; messages between two ranks arrive in order.
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()>;
+    /// Sends `send` to `dst` and receives into `recv` what `src` sends, as one call that
+    /// cannot deadlock whatever the peers' order: a ring (`dst = rank + 1`, `src = rank - 1`)
+    /// or a pairwise exchange. Use it rather than `send` then `recv` wherever peers send to
+    /// each other: NCCL's sends complete only once received. `dst == src == rank` copies.
+    /// The default suits transports whose `send` returns before the data is received.
+    fn send_recv(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> Result<()> {
+        self.send(send, dst)?;
+        self.recv(recv, src)
+    }
     /// Returns once every rank of the group has called it.
     fn barrier(&self) -> Result<()>;
 
@@ -67,6 +76,28 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
 
     /// Bytes sent and received by this rank on this group, per collective kind.
     fn stats(&self) -> CommStats;
+}
+
+/// Gives a `dyn ProcessGroup` its concrete type back (`group.downcast_ref::<NcclGroup>()`),
+/// e.g. to reach `NcclGroup`'s device-memory methods. Implemented for every `'static` type, so
+/// a group does not write it.
+pub trait AsAny: std::any::Any {
+    /// `self` as `Any`.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl<T: std::any::Any> AsAny for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl dyn ProcessGroup {
+    /// The group as its implementation `G`, if it is one (`group.downcast_ref::<NcclGroup>()`).
+    pub fn downcast_ref<G: ProcessGroup>(&self) -> Option<&G> {
+        // Through the trait object's vtable: the concrete group, not the reference.
+        AsAny::as_any(self).downcast_ref::<G>()
+    }
 }
 
 /// Options of a group.

@@ -27,6 +27,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod device;
 mod dtype;
 mod env;
 mod error;
@@ -44,10 +45,13 @@ mod tcp;
 pub mod tensor;
 mod transport;
 
+#[cfg(feature = "cuda")]
+pub use device::choose_cuda_device;
+pub use device::{DeviceSharing, cuda_ordinal};
 pub use dtype::{BufMut, BufRef, DType, Element, ReduceOp};
 pub use env::{EnvSource, LaunchEnv};
 pub use error::{CommError, OpContext, OpKind, Result};
-pub use group::{DEFAULT_TIMEOUT, GroupOptions, ProcessGroup};
+pub use group::{AsAny, DEFAULT_TIMEOUT, GroupOptions, ProcessGroup};
 pub use local::{LocalGroup, spawn_ranks, spawn_ranks_with};
 pub use mesh::{DeviceMesh, MeshAxis, MeshGroups, MeshShape};
 #[cfg(feature = "nccl")]

@@ -1,4 +1,4 @@
-//! [`NcclGroup`] (feature `nccl`): GPUs through NCCL, via cudarc's bindings.
+//! [`NcclGroup`] (feature `nccl`): GPUs through NCCL, via cudarc's raw bindings.
 //!
 //! cudarc loads `libcuda` and `libnccl` at run time, so this compiles on machines without
 //! CUDA; [`NcclGroup::check_libraries`] turns their absence into an error instead of cudarc's
@@ -6,16 +6,34 @@
 //! `libnccl.so.2` that NCCL packages install: where only the latter exists the error says so
 //! and gives the symlink to make, and `kiln launch` makes it itself (see `kiln-cli`).
 //!
-//! The communicator's unique id is exchanged through the rendezvous store. Two interfaces:
-//! - device buffers ([`CudaSlice`]): `*_device` methods, on the group's stream;
+//! The communicator's unique id is exchanged through the rendezvous store. Three interfaces:
+//! - raw device pointers (`*_raw`, unsafe): device memory owned by someone else (Burn's CUDA
+//!   tensors; see `kiln-shard`'s `device` module), no host copies;
+//! - device buffers ([`CudaSlice`]): `*_device` methods;
 //! - host buffers: [`ProcessGroup`], staged through device memory (for conformance checks,
 //!   metrics and small tensors).
 //!
-//! NCCL hangs on mismatched collectives; so before each collective the ranks all-gather a
-//! 4-integer descriptor (kind, sequence number, dtype, length) and compare, turning a mismatch
-//! into [`CommError::Mismatch`]. Completion is polled against the group's timeout; on timeout
-//! the communicator is aborted (`ncclCommAbort`) and the group is poisoned.
+//! All run on the group's stream and return once the work is complete on the device.
+//!
+//! What NCCL's documented semantics require, and where it is handled:
+//! - a rank that never joins must not hang the others: the communicator is created
+//!   non-blocking (`ncclCommInitRankConfig`, `blocking = 0`) and polled with
+//!   `ncclCommGetAsyncError` until ready or the group's timeout, then aborted
+//!   ([`RawComm::init`]); every later call is polled the same way, and device completion is
+//!   polled through an event, so a dead peer is a [`CommError::Timeout`] and an aborted
+//!   communicator, never a hang;
+//! - point-to-point calls block until the peer posts the matching call, so a ring of sends
+//!   posted before the receives deadlocks: [`NcclGroup::send_recv`] issues both inside one
+//!   `ncclGroupStart/End` ([`exchange_plan`]); a message to this rank is a local copy;
+//! - zero-length buffers would become `cuMemAlloc(0)` (an error): zero-length collectives are
+//!   checked like any other (arguments, descriptors) and enqueue nothing ([`launch_plan`]);
+//! - NCCL hangs on mismatched collectives; so before each collective the ranks all-gather a
+//!   4-integer descriptor (kind, sequence number, dtype and op, length) and compare, turning a
+//!   mismatch into [`CommError::Mismatch`].
+//!
+//! After any failure the communicator is aborted (`ncclCommAbort`) and the group is poisoned.
 
+use crate::device::{DeviceSharing, choose_cuda_device};
 use crate::dtype::{BufMut, BufRef, DType, Element, ReduceOp};
 use crate::env::LaunchEnv;
 use crate::error::{CommError, OpContext, OpKind, Result};
@@ -23,23 +41,284 @@ use crate::group::{GroupOptions, ProcessGroup};
 use crate::shard::shard_range;
 use crate::stats::{CommStats, Counters};
 use crate::store::{StoreClient, StoreServer};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
-use cudarc::nccl::safe::{Comm, Id, NcclType};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::nccl::sys as ns;
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{CStr, c_int, c_void};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// An NCCL communicator; NCCL allows use from any thread as long as calls are serialised,
-/// which the group's mutex guarantees.
-struct SendComm(Comm);
-// SAFETY: see above: every use of the communicator goes through `NcclGroup::state`'s mutex.
-unsafe impl Send for SendComm {}
+/// The oldest NCCL with everything used here (`ncclCommInitRankConfig`, non-blocking
+/// communicators, `ncclGetLastError`): 2.14. cudarc panics on a missing symbol, so older
+/// libraries are refused up front.
+const MIN_NCCL_VERSION: c_int = 21400;
+
+/// A raw NCCL communicator, aborted on drop.
+///
+/// `ncclCommAbort`, not `ncclCommFinalize` + `ncclCommDestroy`: finalising waits for peers and
+/// would hang on a dead one; abort frees the resources without waiting.
+struct RawComm(ns::ncclComm_t);
+
+// SAFETY: NCCL allows a communicator to be used from any thread as long as calls are
+// serialised; every use goes through `NcclGroup::state`'s mutex.
+unsafe impl Send for RawComm {}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from a successful (possibly still in-progress) init and is
+        // dropped once; abort is valid in any state. Its status is of no use while dropping.
+        let _ = unsafe { ns::ncclCommAbort(self.0) };
+    }
+}
+
+/// Why polling a communicator stopped.
+#[derive(Debug)]
+enum NotReady {
+    TimedOut,
+    Failed(String),
+}
+
+/// NCCL's text for a status and, with a communicator, its last error message.
+fn describe(r: ns::ncclResult_t, comm: Option<ns::ncclComm_t>) -> String {
+    // SAFETY: both return pointers to static or communicator-owned NUL-terminated strings.
+    let text = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    let base = text(unsafe { ns::ncclGetErrorString(r) });
+    let last = comm.map_or(String::new(), |c| text(unsafe { ns::ncclGetLastError(c) }));
+    if last.is_empty() {
+        format!("{r:?} ({base})")
+    } else {
+        format!("{r:?} ({base}): {last}")
+    }
+}
+
+/// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`. NCCL reads `size` and copies at most the
+/// fields it knows, so a library older than these bindings (2.30) accepts the struct.
+fn nonblocking_config() -> ns::ncclConfig_t {
+    const UNDEF: c_int = c_int::MIN;
+    ns::ncclConfig_t {
+        size: std::mem::size_of::<ns::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 23000,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    }
+}
+
+impl RawComm {
+    /// Creates rank `rank` of a `world`-rank communicator, non-blocking, and waits until it is
+    /// ready or `deadline` passes (then it is aborted: the caller gets an error, not a hang).
+    fn init(id: ns::ncclUniqueId, rank: usize, world: usize, deadline: Instant) -> Result<Self> {
+        let mut config = nonblocking_config();
+        let mut comm: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` and `config` are valid for the call; NCCL copies the config.
+        let r = unsafe {
+            ns::ncclCommInitRankConfig(&mut comm, world as c_int, id, rank as c_int, &mut config)
+        };
+        if comm.is_null() {
+            return Err(CommError::Nccl(format!(
+                "ncclCommInitRankConfig: {}",
+                describe(r, None)
+            )));
+        }
+        let comm = RawComm(comm);
+        match r {
+            ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress => {}
+            e => {
+                return Err(CommError::Nccl(format!(
+                    "ncclCommInitRankConfig: {}",
+                    describe(e, Some(comm.0))
+                )));
+            }
+        }
+        comm.ready(deadline).map_err(|e| match e {
+            NotReady::TimedOut => CommError::Nccl(format!(
+                "ncclCommInitRankConfig (rank {rank} of {world}): not every rank joined before \
+                 the group's timeout; the communicator was aborted (is a rank missing or \
+                 stuck? the timeout is KILN_COMM_TIMEOUT)"
+            )),
+            NotReady::Failed(why) => CommError::Nccl(format!(
+                "ncclCommInitRankConfig (rank {rank} of {world}): {why} (two ranks on one GPU \
+                 is an invalid usage: see kiln_comm::cuda_ordinal)"
+            )),
+        })?;
+        Ok(comm)
+    }
+
+    /// Polls `ncclCommGetAsyncError` until the communicator's pending operation (init, or an
+    /// enqueue that answered `ncclInProgress`) is done, fails, or `deadline` passes.
+    fn ready(&self, deadline: Instant) -> std::result::Result<(), NotReady> {
+        let mut pause = Duration::from_micros(5);
+        loop {
+            let mut state = ns::ncclResult_t::ncclInProgress;
+            // SAFETY: a live communicator and a valid out-pointer.
+            let r = unsafe { ns::ncclCommGetAsyncError(self.0, &mut state) };
+            if r != ns::ncclResult_t::ncclSuccess {
+                return Err(NotReady::Failed(describe(r, Some(self.0))));
+            }
+            match state {
+                ns::ncclResult_t::ncclSuccess => return Ok(()),
+                ns::ncclResult_t::ncclInProgress => {}
+                e => return Err(NotReady::Failed(describe(e, Some(self.0)))),
+            }
+            if Instant::now() >= deadline {
+                return Err(NotReady::TimedOut);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+}
+
+/// What one collective enqueues on a group of `world` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Launch {
+    /// Whether the ranks first compare descriptors (needs a peer; point-to-point calls carry
+    /// their length in a header instead).
+    pub check_descriptors: bool,
+    /// Whether data moves: never for zero elements, which NCCL would be handed as
+    /// zero-byte device buffers (`cuMemAlloc(0)` fails).
+    pub data: bool,
+}
+
+/// The plan of a collective of `len` elements: zero-length ones are still checked against the
+/// peers (so a rank calling something else is caught) but enqueue no data.
+pub(crate) fn launch_plan(kind: OpKind, len: usize, world: usize) -> Launch {
+    Launch {
+        check_descriptors: world > 1 && kind != OpKind::SendRecv,
+        data: len > 0,
+    }
+}
+
+/// One point-to-point call inside an `ncclGroupStart/End`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum P2pOp {
+    Send(usize),
+    Recv(usize),
+}
+
+/// How [`NcclGroup::send_recv`] moves its messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Exchange {
+    /// This rank sends to itself: a copy, no NCCL call (NCCL's send to self needs the matching
+    /// receive in the same group; a copy is simpler and cheaper).
+    LocalCopy,
+    /// Headers (length, dtype) both ways in one group, then `data` in a second group (empty
+    /// when both lengths are zero). Within a group NCCL posts the calls together, so the order
+    /// in which ranks list sends and receives cannot deadlock.
+    Grouped {
+        headers: [P2pOp; 2],
+        data: Vec<P2pOp>,
+    },
+}
+
+/// Plans rank `rank`'s exchange: send `send_len` elements to `dst`, receive `recv_len` from
+/// `src`.
+///
+/// # Errors
+/// A peer outside the group, or a message to this rank not received by it in the same call.
+pub(crate) fn exchange_plan(
+    rank: usize,
+    world: usize,
+    dst: usize,
+    src: usize,
+    send_len: usize,
+    recv_len: usize,
+) -> std::result::Result<Exchange, String> {
+    if dst >= world || src >= world {
+        return Err(format!(
+            "send_recv: peers dst={dst}, src={src} must be ranks of this {world}-rank group"
+        ));
+    }
+    match (dst == rank, src == rank) {
+        (true, true) if send_len == recv_len => Ok(Exchange::LocalCopy),
+        (true, true) => Err(format!(
+            "send_recv to this rank: sending {send_len} elements but receiving {recv_len}"
+        )),
+        (true, false) | (false, true) => Err(format!(
+            "send_recv: a message to this rank ({rank}) must be received from this rank in the \
+             same call (dst={dst}, src={src})"
+        )),
+        (false, false) => {
+            let mut data = Vec::new();
+            if send_len > 0 {
+                data.push(P2pOp::Send(dst));
+            }
+            if recv_len > 0 {
+                data.push(P2pOp::Recv(src));
+            }
+            Ok(Exchange::Grouped {
+                headers: [P2pOp::Send(dst), P2pOp::Recv(src)],
+                data,
+            })
+        }
+    }
+}
+
+fn nccl_dtype(dtype: DType) -> ns::ncclDataType_t {
+    match dtype {
+        DType::F32 => ns::ncclDataType_t::ncclFloat32,
+        DType::F16 => ns::ncclDataType_t::ncclFloat16,
+        DType::BF16 => ns::ncclDataType_t::ncclBfloat16,
+        DType::I64 => ns::ncclDataType_t::ncclInt64,
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> ns::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => ns::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => ns::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => ns::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ns::ncclRedOp_t::ncclMin,
+    }
+}
+
+/// A message this rank sent to itself with [`ProcessGroup::send`], until it receives it.
+struct SelfMessage(Box<dyn Any + Send>);
 
 struct State {
-    comm: Option<SendComm>,
+    comm: Option<RawComm>,
     seq: u64,
-    splits: std::collections::HashMap<Vec<usize>, u64>,
+    p2p_seq: u64,
+    splits: HashMap<Vec<usize>, u64>,
+    to_self: VecDeque<SelfMessage>,
     poisoned: Option<String>,
+}
+
+impl State {
+    fn new(comm: RawComm) -> Self {
+        State {
+            comm: Some(comm),
+            seq: 0,
+            p2p_seq: 0,
+            splits: Default::default(),
+            to_self: VecDeque::new(),
+            poisoned: None,
+        }
+    }
 }
 
 /// One rank's handle on a group of GPUs communicating through NCCL.
@@ -63,6 +342,7 @@ impl std::fmt::Debug for NcclGroup {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("name", &self.name)
+            .field("device", &self.stream.context().ordinal())
             .finish_non_exhaustive()
     }
 }
@@ -71,8 +351,123 @@ fn nccl_err(what: &str, e: impl std::fmt::Debug) -> CommError {
     CommError::Nccl(format!("{what}: {e:?}"))
 }
 
+/// The communicator and stream of one collective in progress, with its deadline.
+struct Live<'a> {
+    comm: &'a RawComm,
+    stream: &'a Arc<CudaStream>,
+    ctx: &'a OpContext,
+    timeout: Duration,
+    deadline: Instant,
+}
+
+impl Live<'_> {
+    fn comm(&self) -> ns::ncclComm_t {
+        self.comm.0
+    }
+
+    fn stream(&self) -> ns::cudaStream_t {
+        self.stream.cu_stream() as ns::cudaStream_t
+    }
+
+    fn timeout_err(&self) -> CommError {
+        CommError::Timeout {
+            op: self.ctx.clone(),
+            peer: usize::MAX,
+            timeout: self.timeout,
+        }
+    }
+
+    /// Checks an NCCL call's status. A non-blocking communicator may answer `ncclInProgress`;
+    /// it must then be polled ready before the next call.
+    fn check(&self, what: &str, r: ns::ncclResult_t) -> Result<()> {
+        match r {
+            ns::ncclResult_t::ncclSuccess => Ok(()),
+            ns::ncclResult_t::ncclInProgress => {
+                self.comm.ready(self.deadline).map_err(|e| match e {
+                    NotReady::TimedOut => self.timeout_err(),
+                    NotReady::Failed(why) => {
+                        CommError::Nccl(format!("{}: {what}: {why}", self.ctx))
+                    }
+                })
+            }
+            e => Err(CommError::Nccl(format!(
+                "{}: {what}: {}",
+                self.ctx,
+                describe(e, Some(self.comm.0))
+            ))),
+        }
+    }
+
+    /// Runs `ops` between `ncclGroupStart` and `ncclGroupEnd`; the group is always closed,
+    /// so a failing call cannot leave this thread inside a group.
+    fn grouped(&self, what: &str, ops: &[(P2pOp, CUdeviceptr, usize)], dtype: DType) -> Result<()> {
+        // SAFETY: group calls only change this thread's NCCL group depth.
+        let r = unsafe { ns::ncclGroupStart() };
+        self.check("ncclGroupStart", r)?;
+        let mut first_err = None;
+        for &(op, ptr, len) in ops {
+            // SAFETY: the caller guarantees `ptr` holds `len` elements of `dtype` on this GPU.
+            let r = unsafe {
+                match op {
+                    P2pOp::Send(peer) => ns::ncclSend(
+                        ptr as *const c_void,
+                        len,
+                        nccl_dtype(dtype),
+                        peer as c_int,
+                        self.comm(),
+                        self.stream(),
+                    ),
+                    P2pOp::Recv(peer) => ns::ncclRecv(
+                        ptr as *mut c_void,
+                        len,
+                        nccl_dtype(dtype),
+                        peer as c_int,
+                        self.comm(),
+                        self.stream(),
+                    ),
+                }
+            };
+            if first_err.is_none()
+                && !matches!(
+                    r,
+                    ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress
+                )
+            {
+                first_err = Some(r);
+            }
+        }
+        // SAFETY: closes the group opened above.
+        let end = unsafe { ns::ncclGroupEnd() };
+        if let Some(e) = first_err {
+            return self.check(what, e);
+        }
+        self.check(what, end)
+    }
+
+    /// Waits for the stream's work, polling so that a dead peer is a timeout, not a hang.
+    fn complete(&self) -> Result<()> {
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| nccl_err("cuEventRecord", e))?;
+        let mut pause = Duration::from_micros(5);
+        loop {
+            match event.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) if Instant::now() >= self.deadline => return Err(self.timeout_err()),
+                Ok(false) => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_micros(200));
+                }
+                Err(e) => return Err(nccl_err(&self.ctx.to_string(), e)),
+            }
+        }
+    }
+}
+
 impl NcclGroup {
-    /// Checks that the CUDA driver and NCCL libraries can be loaded.
+    /// Checks that the CUDA driver and NCCL libraries can be loaded, and that NCCL is new
+    /// enough (2.14).
     ///
     /// # Errors
     /// [`CommError::Nccl`] saying which library is missing and what to do.
@@ -85,7 +480,7 @@ impl NcclGroup {
                     .into(),
             ));
         }
-        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        if !unsafe { ns::is_culib_present() } {
             // SAFETY: loading NCCL runs no initialisers with preconditions.
             let versioned = unsafe { libloading::Library::new("libnccl.so.2") }.is_ok();
             return Err(CommError::Nccl(if versioned {
@@ -100,10 +495,19 @@ impl NcclGroup {
                     .into()
             }));
         }
+        let mut version: c_int = 0;
+        // SAFETY: a valid out-pointer.
+        let r = unsafe { ns::ncclGetVersion(&mut version) };
+        if r != ns::ncclResult_t::ncclSuccess || version < MIN_NCCL_VERSION {
+            return Err(CommError::Nccl(format!(
+                "NCCL {version} is too old: kiln needs 2.14 or newer (non-blocking \
+                 communicators, so that a missing rank is a timeout, not a hang)"
+            )));
+        }
         Ok(())
     }
 
-    /// Joins the job described by the environment, on GPU `LOCAL_RANK`.
+    /// Joins the job described by the environment, on the GPU [`choose_cuda_device`] picks.
     ///
     /// # Errors
     /// Missing libraries or GPU, bad launch variables, rendezvous failures.
@@ -111,14 +515,25 @@ impl NcclGroup {
         Self::from_launch_env(&LaunchEnv::from_env()?, GroupOptions::default())
     }
 
-    /// Joins the job described by `env`, on GPU `env.local_rank`.
+    /// Joins the job described by `env`, one GPU per rank (see [`choose_cuda_device`]; Burn's
+    /// device for this rank must be chosen the same way, so that both are on one GPU).
     ///
     /// # Errors
-    /// As [`NcclGroup::from_env`].
+    /// As [`NcclGroup::from_env`]; a rank that does not join within `options.timeout` makes
+    /// the others fail (the communicator is aborted), not hang.
     pub fn from_launch_env(env: &LaunchEnv, options: GroupOptions) -> Result<NcclGroup> {
         Self::check_libraries()?;
-        let ctx = CudaContext::new(env.local_rank)
-            .map_err(|e| nccl_err(&format!("opening GPU {} (LOCAL_RANK)", env.local_rank), e))?;
+        let ordinal = choose_cuda_device(
+            env.local_rank,
+            env.local_world_size,
+            DeviceSharing::Exclusive,
+        )?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            nccl_err(
+                &format!("opening GPU {ordinal} (local rank {})", env.local_rank),
+                e,
+            )
+        })?;
         let stream = ctx
             .new_stream()
             .map_err(|e| nccl_err("creating a stream", e))?;
@@ -131,14 +546,16 @@ impl NcclGroup {
         let store = Arc::new(StoreClient::connect(&env.store_addr(), options.timeout)?);
         let members: Vec<usize> = (0..env.world_size).collect();
         let key = format!("kiln/nccl/{}/id", options.name);
-        let comm = Self::init_comm(&store, &key, &stream, env.rank, env.world_size)?;
+        let comm = Self::init_comm(
+            &store,
+            &key,
+            &stream,
+            env.rank,
+            env.world_size,
+            options.timeout,
+        )?;
         Ok(NcclGroup {
-            state: Mutex::new(State {
-                comm: Some(SendComm(comm)),
-                seq: 0,
-                splits: Default::default(),
-                poisoned: None,
-            }),
+            state: Mutex::new(State::new(comm)),
             stream,
             rank: env.rank,
             world_size: env.world_size,
@@ -157,24 +574,52 @@ impl NcclGroup {
         stream: &Arc<CudaStream>,
         rank: usize,
         world_size: usize,
-    ) -> Result<Comm> {
+        timeout: Duration,
+    ) -> Result<RawComm> {
+        let deadline = Instant::now() + timeout;
         let id = if rank == 0 {
-            let id = Id::new().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
-            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
+            let mut id = std::mem::MaybeUninit::<ns::ncclUniqueId>::uninit();
+            // SAFETY: a valid out-pointer, initialised on success.
+            let r = unsafe { ns::ncclGetUniqueId(id.as_mut_ptr()) };
+            if r != ns::ncclResult_t::ncclSuccess {
+                return Err(CommError::Nccl(format!(
+                    "ncclGetUniqueId: {}",
+                    describe(r, None)
+                )));
+            }
+            // SAFETY: initialised by the successful call.
+            let id = unsafe { id.assume_init() };
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
             store.set(key, &bytes)?;
             id
         } else {
             let bytes = store.get(key)?;
-            let internal: [std::ffi::c_char; 128] = std::array::from_fn(|i| bytes[i] as _);
-            Id::uninit(internal)
+            if bytes.len() != 128 {
+                return Err(CommError::Nccl(format!(
+                    "the NCCL unique id under '{key}' has {} bytes, not 128",
+                    bytes.len()
+                )));
+            }
+            ns::ncclUniqueId {
+                internal: std::array::from_fn(|i| bytes[i] as _),
+            }
         };
-        Comm::from_rank(stream.clone(), rank, world_size, id)
-            .map_err(|e| nccl_err("ncclCommInitRank", e))
+        // NCCL creates the communicator on the calling thread's current device.
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| nccl_err("binding the GPU to this thread", e))?;
+        RawComm::init(id, rank, world_size, deadline)
     }
 
     /// The CUDA stream the group's collectives run on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The ordinal of this rank's GPU (among the devices this process sees).
+    pub fn device_ordinal(&self) -> usize {
+        self.stream.context().ordinal()
     }
 
     fn ctx(&self, kind: OpKind, seq: u64) -> OpContext {
@@ -187,15 +632,25 @@ impl NcclGroup {
         }
     }
 
-    /// Runs one collective: descriptor check, the enqueue `f`, then completion within the
-    /// timeout. Poisons the group on failure.
+    fn invalid(&self, kind: OpKind, message: String) -> CommError {
+        CommError::InvalidArgument {
+            op: self.ctx(kind, 0),
+            message,
+        }
+    }
+
+    /// Runs one operation: descriptor check (collectives), then `f` (which enqueues and
+    /// waits), all within the timeout. Collectives take the group's sequence number;
+    /// point-to-point calls involve two ranks, not the group, and are numbered apart so that
+    /// they cannot put the ranks' collective numbers out of step. Poisons the group and
+    /// aborts the communicator on failure.
     fn run<R>(
         &self,
         kind: OpKind,
         dtype: DType,
         len: usize,
         extra: i64,
-        f: impl FnOnce(&Comm) -> Result<R>,
+        f: impl FnOnce(&Live<'_>, Launch) -> Result<R>,
     ) -> Result<R> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(first) = &state.poisoned {
@@ -204,85 +659,384 @@ impl NcclGroup {
                 first: first.clone(),
             });
         }
-        let seq = state.seq;
-        state.seq += 1;
+        let seq = if kind == OpKind::SendRecv {
+            state.p2p_seq += 1;
+            state.p2p_seq - 1
+        } else {
+            state.seq += 1;
+            state.seq - 1
+        };
         self.counters.call(kind);
         let ctx = self.ctx(kind, seq);
+        let plan = launch_plan(kind, len, self.world_size);
         let result = (|| {
-            let comm = &state.comm.as_ref().expect("present while not poisoned").0;
-            let desc = [
-                kind.code() as i64,
-                seq as i64,
-                dtype.code() as i64 * 1_000_003 + extra,
-                len as i64,
-            ];
-            // Point-to-point calls involve two ranks, not the group: their length travels with
-            // the message instead (see `host_send`).
-            if self.world_size > 1 && kind != OpKind::SendRecv {
-                let d = self
-                    .stream
-                    .clone_htod(&desc)
-                    .map_err(|e| nccl_err("copy", e))?;
-                let mut all = self
-                    .stream
-                    .clone_htod(&vec![0i64; 4 * self.world_size])
-                    .map_err(|e| nccl_err("alloc", e))?;
-                comm.all_gather(&d, &mut all)
-                    .map_err(|e| nccl_err("ncclAllGather (descriptor)", e))?;
-                self.wait(&ctx)?;
-                let all = self
-                    .stream
-                    .clone_dtoh(&all)
-                    .map_err(|e| nccl_err("copy", e))?;
-                for (peer, theirs) in all.chunks(4).enumerate() {
-                    if theirs != desc {
-                        return Err(CommError::Mismatch {
-                            op: ctx.clone(),
-                            peer,
-                            expected: format!("{kind} #{seq} ({dtype}, {len} elements)"),
-                            found: format!(
-                                "{} #{} ({} elements)",
-                                OpKind::from_code(theirs[0] as u8).map_or("?", |k| k.name()),
-                                theirs[1],
-                                theirs[3]
-                            ),
-                        });
-                    }
-                }
+            self.stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| nccl_err("binding the GPU to this thread", e))?;
+            let live = Live {
+                comm: state.comm.as_ref().expect("present while not poisoned"),
+                stream: &self.stream,
+                ctx: &ctx,
+                timeout: self.timeout,
+                deadline: Instant::now() + self.timeout,
+            };
+            if plan.check_descriptors {
+                self.check_descriptors(&live, kind, seq, dtype, len, extra)?;
             }
-            let r = f(comm)?;
-            self.wait(&ctx)?;
-            Ok(r)
+            f(&live, plan)
         })();
-        result.map_err(|err| {
-            if matches!(err, CommError::Timeout { .. }) {
-                // Aborting unblocks the device work stuck on a dead peer.
-                drop(state.comm.take());
-            }
+        result.inspect_err(|err| {
+            // Aborting unblocks device work stuck on a dead peer and frees the communicator;
+            // the group is unusable from here on anyway.
+            drop(state.comm.take());
             state.poisoned.get_or_insert_with(|| err.to_string());
-            err
         })
     }
 
-    /// Waits for the stream's work, polling so that a dead peer is a timeout, not a hang.
-    fn wait(&self, ctx: &OpContext) -> Result<()> {
-        let event = self
+    fn check_descriptors(
+        &self,
+        live: &Live<'_>,
+        kind: OpKind,
+        seq: u64,
+        dtype: DType,
+        len: usize,
+        extra: i64,
+    ) -> Result<()> {
+        let desc = [
+            kind.code() as i64,
+            seq as i64,
+            dtype.code() as i64 * 1_000_003 + extra,
+            len as i64,
+        ];
+        let d = self
             .stream
-            .record_event(None)
-            .map_err(|e| nccl_err("cuEventRecord", e))?;
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            match event.try_is_complete() {
-                Ok(true) => return Ok(()),
-                Ok(false) if Instant::now() >= deadline => {
-                    return Err(CommError::Timeout {
-                        op: ctx.clone(),
-                        peer: usize::MAX,
-                        timeout: self.timeout,
-                    });
+            .clone_htod(&desc)
+            .map_err(|e| nccl_err("copy", e))?;
+        // SAFETY: fully written by the all-gather before it is read.
+        let all = unsafe { self.stream.alloc::<i64>(4 * self.world_size) }
+            .map_err(|e| nccl_err("alloc", e))?;
+        // SAFETY: both buffers are live device allocations of the right sizes on this GPU.
+        let r = unsafe {
+            ns::ncclAllGather(
+                self.ptr(&d) as *const c_void,
+                self.ptr(&all) as *mut c_void,
+                4,
+                ns::ncclDataType_t::ncclInt64,
+                live.comm(),
+                live.stream(),
+            )
+        };
+        live.check("ncclAllGather (descriptor)", r)?;
+        live.complete()?;
+        let all = self
+            .stream
+            .clone_dtoh(&all)
+            .map_err(|e| nccl_err("copy", e))?;
+        for (peer, theirs) in all.chunks(4).enumerate() {
+            if theirs != desc {
+                return Err(CommError::Mismatch {
+                    op: live.ctx.clone(),
+                    peer,
+                    expected: format!("{kind} #{seq} ({dtype}, {len} elements)"),
+                    found: format!(
+                        "{} #{} ({} elements)",
+                        OpKind::from_code(theirs[0] as u8).map_or("?", |k| k.name()),
+                        theirs[1],
+                        theirs[3]
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> CUdeviceptr {
+        // The slice is used on this stream only; its event bookkeeping has nothing to order.
+        s.device_ptr(&self.stream).0
+    }
+
+    /// All-reduces `len` elements of `dtype` in place at `buf`, on this group's GPU.
+    ///
+    /// # Safety
+    /// `buf` must point to `len` elements of `dtype` in device memory of this group's GPU
+    /// ([`NcclGroup::device_ordinal`]), valid until this returns, and the work that wrote them
+    /// must be complete (synchronise the producer, e.g. `B::sync(device)`, first): NCCL runs
+    /// on this group's [`stream`](NcclGroup::stream), unordered with other streams. The result
+    /// is complete on the device when this returns.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::all_reduce`].
+    pub unsafe fn all_reduce_raw(
+        &self,
+        buf: CUdeviceptr,
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.run(
+            OpKind::AllReduce,
+            dtype,
+            len,
+            op.code() as i64,
+            |live, plan| {
+                if plan.data {
+                    // SAFETY: the caller's contract.
+                    let r = unsafe {
+                        ns::ncclAllReduce(
+                            buf as *const c_void,
+                            buf as *mut c_void,
+                            len,
+                            nccl_dtype(dtype),
+                            nccl_op(op),
+                            live.comm(),
+                            live.stream(),
+                        )
+                    };
+                    live.check("ncclAllReduce", r)?;
+                    live.complete()?;
                 }
-                Ok(false) => std::thread::sleep(Duration::from_micros(50)),
-                Err(e) => return Err(nccl_err(&ctx.to_string(), e)),
+                Ok(())
+            },
+        )?;
+        self.count(OpKind::AllReduce, 2 * self.ring_share(len * dtype.size()));
+        Ok(())
+    }
+
+    /// All-gathers equal shards: `shard_len` elements at `input` from every rank, into
+    /// `shard_len * world_size` elements at `output`, in rank order. Pad unequal shards.
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_reduce_raw`], for both buffers; they must not overlap unless
+    /// `input` is this rank's slot of `output` (NCCL's in-place all-gather).
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::all_gather`].
+    pub unsafe fn all_gather_raw(
+        &self,
+        input: CUdeviceptr,
+        output: CUdeviceptr,
+        shard_len: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        let total = shard_len * self.world_size;
+        self.run(OpKind::AllGather, dtype, total, 0, |live, plan| {
+            if plan.data {
+                // SAFETY: the caller's contract.
+                let r = unsafe {
+                    ns::ncclAllGather(
+                        input as *const c_void,
+                        output as *mut c_void,
+                        shard_len,
+                        nccl_dtype(dtype),
+                        live.comm(),
+                        live.stream(),
+                    )
+                };
+                live.check("ncclAllGather", r)?;
+                live.complete()?;
+            }
+            Ok(())
+        })?;
+        self.count(OpKind::AllGather, self.ring_share(total * dtype.size()));
+        Ok(())
+    }
+
+    /// Reduce-scatters `shard_len * world_size` elements at `input` (on every rank) into
+    /// this rank's `shard_len` elements at `output` (rank `r` gets the `r`-th slice).
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_gather_raw`].
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::reduce_scatter`].
+    pub unsafe fn reduce_scatter_raw(
+        &self,
+        input: CUdeviceptr,
+        output: CUdeviceptr,
+        shard_len: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let total = shard_len * self.world_size;
+        self.run(
+            OpKind::ReduceScatter,
+            dtype,
+            total,
+            op.code() as i64,
+            |live, plan| {
+                if plan.data {
+                    // SAFETY: the caller's contract.
+                    let r = unsafe {
+                        ns::ncclReduceScatter(
+                            input as *const c_void,
+                            output as *mut c_void,
+                            shard_len,
+                            nccl_dtype(dtype),
+                            nccl_op(op),
+                            live.comm(),
+                            live.stream(),
+                        )
+                    };
+                    live.check("ncclReduceScatter", r)?;
+                    live.complete()?;
+                }
+                Ok(())
+            },
+        )?;
+        self.count(OpKind::ReduceScatter, self.ring_share(total * dtype.size()));
+        Ok(())
+    }
+
+    /// Broadcasts `len` elements at `buf` from rank `root`, in place.
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_reduce_raw`].
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::broadcast`]; a `root` outside the group.
+    pub unsafe fn broadcast_raw(
+        &self,
+        buf: CUdeviceptr,
+        len: usize,
+        dtype: DType,
+        root: usize,
+    ) -> Result<()> {
+        if root >= self.world_size {
+            return Err(self.invalid(
+                OpKind::Broadcast,
+                format!(
+                    "root {root} is not a rank of this {}-rank group",
+                    self.world_size
+                ),
+            ));
+        }
+        self.run(OpKind::Broadcast, dtype, len, root as i64, |live, plan| {
+            if plan.data {
+                // SAFETY: the caller's contract.
+                let r = unsafe {
+                    ns::ncclBroadcast(
+                        buf as *const c_void,
+                        buf as *mut c_void,
+                        len,
+                        nccl_dtype(dtype),
+                        root as c_int,
+                        live.comm(),
+                        live.stream(),
+                    )
+                };
+                live.check("ncclBroadcast", r)?;
+                live.complete()?;
+            }
+            Ok(())
+        })?;
+        self.count(OpKind::Broadcast, self.ring_share(len * dtype.size()));
+        Ok(())
+    }
+
+    /// Sends `send_len` elements at `send` to `dst` and receives `recv_len` elements from
+    /// `src` into `recv`, both posted in one NCCL group (so that rings and pairwise exchanges
+    /// cannot deadlock). The lengths travel in a header first: a receiver expecting another
+    /// length gets [`CommError::Mismatch`] instead of NCCL's undefined behaviour. `dst ==
+    /// src == rank` is a device-to-device copy.
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_gather_raw`].
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::send_recv`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn send_recv_raw(
+        &self,
+        send: CUdeviceptr,
+        send_len: usize,
+        dst: usize,
+        recv: CUdeviceptr,
+        recv_len: usize,
+        src: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        let plan = exchange_plan(self.rank, self.world_size, dst, src, send_len, recv_len)
+            .map_err(|m| self.invalid(OpKind::SendRecv, m))?;
+        match plan {
+            Exchange::LocalCopy => {
+                if send_len > 0 && send != recv {
+                    self.stream
+                        .context()
+                        .bind_to_thread()
+                        .map_err(|e| nccl_err("binding the GPU to this thread", e))?;
+                    // SAFETY: the caller's contract; the copy is on this group's stream and
+                    // waited for below.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            recv,
+                            send,
+                            send_len * dtype.size(),
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .map_err(|e| nccl_err("cuMemcpyDtoDAsync", e))?;
+                    self.stream.synchronize().map_err(|e| nccl_err("sync", e))?;
+                }
+                Ok(())
+            }
+            Exchange::Grouped { headers, data } => {
+                let head = self
+                    .stream
+                    .clone_htod(&[send_len as i64, dtype.code() as i64])
+                    .map_err(|e| nccl_err("copy", e))?;
+                let incoming = self
+                    .stream
+                    .clone_htod(&[0i64; 2])
+                    .map_err(|e| nccl_err("copy", e))?;
+                let (head_ptr, in_ptr) = (self.ptr(&head), self.ptr(&incoming));
+                let stream = self.stream.clone();
+                self.run(OpKind::SendRecv, dtype, send_len, dst as i64, |live, _| {
+                    let ops: Vec<_> = headers
+                        .iter()
+                        .map(|&op| match op {
+                            P2pOp::Send(_) => (op, head_ptr, 2),
+                            P2pOp::Recv(_) => (op, in_ptr, 2),
+                        })
+                        .collect();
+                    live.grouped("ncclSend/ncclRecv (header)", &ops, DType::I64)?;
+                    live.complete()?;
+                    let h = stream
+                        .clone_dtoh(&incoming)
+                        .map_err(|e| nccl_err("copy", e))?;
+                    if h[0] != recv_len as i64 || h[1] != dtype.code() as i64 {
+                        return Err(CommError::Mismatch {
+                            op: live.ctx.clone(),
+                            peer: src,
+                            expected: format!("recv({dtype}, {recv_len} elements)"),
+                            found: format!(
+                                "send({}, {} elements)",
+                                u8::try_from(h[1])
+                                    .ok()
+                                    .and_then(DType::from_code)
+                                    .map_or("?".to_string(), |d| d.to_string()),
+                                h[0]
+                            ),
+                        });
+                    }
+                    if !data.is_empty() {
+                        let ops: Vec<_> = data
+                            .iter()
+                            .map(|&op| match op {
+                                P2pOp::Send(_) => (op, send, send_len),
+                                P2pOp::Recv(_) => (op, recv, recv_len),
+                            })
+                            .collect();
+                        live.grouped("ncclSend/ncclRecv", &ops, dtype)?;
+                        live.complete()?;
+                    }
+                    Ok(())
+                })?;
+                self.counters
+                    .sent(OpKind::SendRecv, send_len * dtype.size());
+                self.counters
+                    .received(OpKind::SendRecv, recv_len * dtype.size());
+                Ok(())
             }
         }
     }
@@ -291,101 +1045,93 @@ impl NcclGroup {
     ///
     /// # Errors
     /// As [`ProcessGroup::all_reduce`].
-    pub fn all_reduce_device<T: NcclType + Element + DeviceRepr>(
+    pub fn all_reduce_device<T: Element + DeviceRepr>(
         &self,
         buf: &mut CudaSlice<T>,
         op: ReduceOp,
     ) -> Result<()> {
-        let len = buf.len();
-        let bytes = len * std::mem::size_of::<T>();
-        self.run(OpKind::AllReduce, T::DTYPE, len, op.code() as i64, |comm| {
-            comm.all_reduce_in_place(buf, &nccl_op(op))
-                .map_err(|e| nccl_err("ncclAllReduce", e))?;
-            Ok(())
-        })?;
-        self.count(OpKind::AllReduce, 2 * self.ring_share(bytes));
-        Ok(())
+        self.check_device(buf)?;
+        // SAFETY: a live allocation of `buf.len()` elements on this GPU; work on it from other
+        // streams is ordered by `device_ptr`'s events.
+        unsafe { self.all_reduce_raw(self.ptr(buf), buf.len(), T::DTYPE, op) }
     }
 
     /// All-gathers equal device shards: `output.len() == input.len() * world_size`.
     ///
     /// # Errors
     /// As [`ProcessGroup::all_gather`].
-    pub fn all_gather_device<T: NcclType + Element + DeviceRepr>(
+    pub fn all_gather_device<T: Element + DeviceRepr>(
         &self,
         input: &CudaSlice<T>,
         output: &mut CudaSlice<T>,
     ) -> Result<()> {
         self.check_equal(OpKind::AllGather, input.len(), output.len())?;
-        let bytes = output.len() * std::mem::size_of::<T>();
-        self.run(OpKind::AllGather, T::DTYPE, output.len(), 0, |comm| {
-            comm.all_gather(input, output)
-                .map_err(|e| nccl_err("ncclAllGather", e))?;
-            Ok(())
-        })?;
-        self.count(OpKind::AllGather, self.ring_share(bytes));
-        Ok(())
+        self.check_device(input)?;
+        self.check_device(output)?;
+        // SAFETY: as in `all_reduce_device`.
+        unsafe { self.all_gather_raw(self.ptr(input), self.ptr(output), input.len(), T::DTYPE) }
     }
 
     /// Reduce-scatters into equal device shards: `input.len() == output.len() * world_size`.
     ///
     /// # Errors
     /// As [`ProcessGroup::reduce_scatter`].
-    pub fn reduce_scatter_device<T: NcclType + Element + DeviceRepr>(
+    pub fn reduce_scatter_device<T: Element + DeviceRepr>(
         &self,
         input: &CudaSlice<T>,
         output: &mut CudaSlice<T>,
         op: ReduceOp,
     ) -> Result<()> {
         self.check_equal(OpKind::ReduceScatter, output.len(), input.len())?;
-        let bytes = input.len() * std::mem::size_of::<T>();
-        self.run(
-            OpKind::ReduceScatter,
-            T::DTYPE,
-            input.len(),
-            op.code() as i64,
-            |comm| {
-                comm.reduce_scatter(input, output, &nccl_op(op))
-                    .map_err(|e| nccl_err("ncclReduceScatter", e))?;
-                Ok(())
-            },
-        )?;
-        self.count(OpKind::ReduceScatter, self.ring_share(bytes));
-        Ok(())
+        self.check_device(input)?;
+        self.check_device(output)?;
+        // SAFETY: as in `all_reduce_device`.
+        unsafe {
+            self.reduce_scatter_raw(
+                self.ptr(input),
+                self.ptr(output),
+                output.len(),
+                T::DTYPE,
+                op,
+            )
+        }
     }
 
     /// Broadcasts a device buffer from `root`.
     ///
     /// # Errors
     /// As [`ProcessGroup::broadcast`].
-    pub fn broadcast_device<T: NcclType + Element + DeviceRepr>(
+    pub fn broadcast_device<T: Element + DeviceRepr>(
         &self,
         buf: &mut CudaSlice<T>,
         root: usize,
     ) -> Result<()> {
-        let len = buf.len();
-        self.run(OpKind::Broadcast, T::DTYPE, len, root as i64, |comm| {
-            comm.broadcast_in_place(buf, root as i32)
-                .map_err(|e| nccl_err("ncclBroadcast", e))?;
-            Ok(())
-        })?;
-        self.count(
-            OpKind::Broadcast,
-            self.ring_share(len * std::mem::size_of::<T>()),
-        );
+        self.check_device(buf)?;
+        // SAFETY: as in `all_reduce_device`.
+        unsafe { self.broadcast_raw(self.ptr(buf), buf.len(), T::DTYPE, root) }
+    }
+
+    fn check_device<T>(&self, s: &CudaSlice<T>) -> Result<()> {
+        let (mine, theirs) = (self.device_ordinal(), s.context().ordinal());
+        if mine != theirs {
+            return Err(CommError::Nccl(format!(
+                "a buffer on GPU {theirs} passed to group '{}' on GPU {mine}",
+                self.name
+            )));
+        }
         Ok(())
     }
 
     fn check_equal(&self, kind: OpKind, shard: usize, whole: usize) -> Result<()> {
         if shard * self.world_size != whole {
-            return Err(CommError::InvalidArgument {
-                op: self.ctx(kind, 0),
-                message: format!(
+            return Err(self.invalid(
+                kind,
+                format!(
                     "device shards must be equal: {shard} x {} ranks != {whole}; pad the buffer \
                      (the host-buffer methods do this for you)",
                     self.world_size
                 ),
-            });
+            ));
         }
         Ok(())
     }
@@ -401,23 +1147,61 @@ impl NcclGroup {
         self.counters.received(kind, bytes);
     }
 
-    fn host_all_reduce<T: NcclType + Element + DeviceRepr>(
+    /// A device copy of `host` (`None` for an empty slice: no zero-byte allocation).
+    fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<Option<CudaSlice<T>>> {
+        if host.is_empty() {
+            return Ok(None);
+        }
+        self.stream
+            .clone_htod(host)
+            .map(Some)
+            .map_err(|e| nccl_err("copy to the GPU", e))
+    }
+
+    /// An uninitialised device buffer for NCCL to fill (`None` when empty).
+    fn scratch<T: DeviceRepr>(&self, len: usize) -> Result<Option<CudaSlice<T>>> {
+        if len == 0 {
+            return Ok(None);
+        }
+        // SAFETY: every caller has NCCL overwrite the whole buffer before reading it.
+        unsafe { self.stream.alloc::<T>(len) }
+            .map(Some)
+            .map_err(|e| nccl_err("cuMemAlloc", e))
+    }
+
+    fn raw<T>(&self, s: &Option<CudaSlice<T>>) -> CUdeviceptr {
+        s.as_ref().map_or(0, |s| self.ptr(s))
+    }
+
+    fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        d: &Option<CudaSlice<T>>,
+        len: usize,
+    ) -> Result<Vec<T>> {
+        match d {
+            Some(d) => self
+                .stream
+                .clone_dtoh(d)
+                .map_err(|e| nccl_err("copy from the GPU", e)),
+            None => Ok(vec![T::default(); len]),
+        }
+    }
+
+    fn host_all_reduce<T: Element + DeviceRepr + Default>(
         &self,
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let mut d = self
-            .stream
-            .clone_htod(buf)
-            .map_err(|e| nccl_err("copy", e))?;
-        self.all_reduce_device(&mut d, op)?;
-        self.stream
-            .memcpy_dtoh(&d, buf)
-            .map_err(|e| nccl_err("copy", e))?;
-        self.stream.synchronize().map_err(|e| nccl_err("sync", e))
+        let d = self.upload(buf)?;
+        // SAFETY: `d` holds `buf.len()` elements on this GPU (or nothing, for zero).
+        unsafe { self.all_reduce_raw(self.raw(&d), buf.len(), T::DTYPE, op)? };
+        if !buf.is_empty() {
+            buf.copy_from_slice(&self.download(&d, buf.len())?);
+        }
+        Ok(())
     }
 
-    fn host_all_gather<T: NcclType + Element + DeviceRepr>(
+    fn host_all_gather<T: Element + DeviceRepr + Default>(
         &self,
         input: &[T],
         output: &mut [T],
@@ -425,31 +1209,23 @@ impl NcclGroup {
         let (n, r, len) = (self.world_size, self.rank, output.len());
         let mine = shard_range(len, n, r);
         if input.len() != mine.len() {
-            return Err(CommError::InvalidArgument {
-                op: self.ctx(OpKind::AllGather, 0),
-                message: format!(
+            return Err(self.invalid(
+                OpKind::AllGather,
+                format!(
                     "input has {} elements but rank {r}'s shard of a {len}-element output is {}",
                     input.len(),
                     mine.len()
                 ),
-            });
+            ));
         }
         let chunk = len.div_ceil(n);
         let mut padded = input.to_vec();
         padded.resize(chunk, T::from_f64(0.0));
-        let d_in = self
-            .stream
-            .clone_htod(&padded)
-            .map_err(|e| nccl_err("copy", e))?;
-        let mut d_out = self
-            .stream
-            .clone_htod(&vec![T::from_f64(0.0); chunk * n])
-            .map_err(|e| nccl_err("alloc", e))?;
-        self.all_gather_device(&d_in, &mut d_out)?;
-        let all = self
-            .stream
-            .clone_dtoh(&d_out)
-            .map_err(|e| nccl_err("copy", e))?;
+        let d_in = self.upload(&padded)?;
+        let d_out = self.scratch::<T>(chunk * n)?;
+        // SAFETY: `chunk` and `chunk * n` elements on this GPU (or nothing, for zero).
+        unsafe { self.all_gather_raw(self.raw(&d_in), self.raw(&d_out), chunk, T::DTYPE)? };
+        let all = self.download(&d_out, chunk * n)?;
         for p in 0..n {
             let range = shard_range(len, n, p);
             output[range.clone()].copy_from_slice(&all[p * chunk..p * chunk + range.len()]);
@@ -457,7 +1233,7 @@ impl NcclGroup {
         Ok(())
     }
 
-    fn host_reduce_scatter<T: NcclType + Element + DeviceRepr>(
+    fn host_reduce_scatter<T: Element + DeviceRepr + Default>(
         &self,
         input: &[T],
         output: &mut [T],
@@ -466,14 +1242,14 @@ impl NcclGroup {
         let (n, r, len) = (self.world_size, self.rank, input.len());
         let mine = shard_range(len, n, r);
         if output.len() != mine.len() {
-            return Err(CommError::InvalidArgument {
-                op: self.ctx(OpKind::ReduceScatter, 0),
-                message: format!(
+            return Err(self.invalid(
+                OpKind::ReduceScatter,
+                format!(
                     "output has {} elements but rank {r}'s shard of a {len}-element input is {}",
                     output.len(),
                     mine.len()
                 ),
-            });
+            ));
         }
         let chunk = len.div_ceil(n);
         let mut padded = vec![T::from_f64(0.0); chunk * n];
@@ -481,108 +1257,208 @@ impl NcclGroup {
             let range = shard_range(len, n, p);
             padded[p * chunk..p * chunk + range.len()].copy_from_slice(&input[range]);
         }
-        let d_in = self
-            .stream
-            .clone_htod(&padded)
-            .map_err(|e| nccl_err("copy", e))?;
-        let mut d_out = self
-            .stream
-            .clone_htod(&vec![T::from_f64(0.0); chunk])
-            .map_err(|e| nccl_err("alloc", e))?;
-        self.reduce_scatter_device(&d_in, &mut d_out, op)?;
-        let got = self
-            .stream
-            .clone_dtoh(&d_out)
-            .map_err(|e| nccl_err("copy", e))?;
+        let d_in = self.upload(&padded)?;
+        let d_out = self.scratch::<T>(chunk)?;
+        // SAFETY: `chunk * n` and `chunk` elements on this GPU (or nothing, for zero).
+        unsafe { self.reduce_scatter_raw(self.raw(&d_in), self.raw(&d_out), chunk, T::DTYPE, op)? };
+        let got = self.download(&d_out, chunk)?;
         output.copy_from_slice(&got[..mine.len()]);
         Ok(())
     }
 
-    fn host_broadcast<T: NcclType + Element + DeviceRepr>(
+    fn host_broadcast<T: Element + DeviceRepr + Default>(
         &self,
         buf: &mut [T],
         root: usize,
     ) -> Result<()> {
-        let mut d = self
-            .stream
-            .clone_htod(buf)
-            .map_err(|e| nccl_err("copy", e))?;
-        self.broadcast_device(&mut d, root)?;
-        self.stream
-            .memcpy_dtoh(&d, buf)
-            .map_err(|e| nccl_err("copy", e))?;
-        self.stream.synchronize().map_err(|e| nccl_err("sync", e))
-    }
-
-    fn host_send<T: NcclType + Element + DeviceRepr>(&self, buf: &[T], dst: usize) -> Result<()> {
-        // The length travels first, so the receiver checks it instead of NCCL hanging.
-        let head = self
-            .stream
-            .clone_htod(&[buf.len() as i64, T::DTYPE.code() as i64])
-            .map_err(|e| nccl_err("copy", e))?;
-        let d = self
-            .stream
-            .clone_htod(buf)
-            .map_err(|e| nccl_err("copy", e))?;
-        self.run(OpKind::SendRecv, T::DTYPE, buf.len(), dst as i64, |comm| {
-            comm.send(&head, dst as i32)
-                .map_err(|e| nccl_err("ncclSend", e))?;
-            comm.send(&d, dst as i32)
-                .map_err(|e| nccl_err("ncclSend", e))
-        })?;
-        self.count(OpKind::SendRecv, std::mem::size_of_val(buf));
+        let d = self.upload(buf)?;
+        // SAFETY: `buf.len()` elements on this GPU (or nothing, for zero).
+        unsafe { self.broadcast_raw(self.raw(&d), buf.len(), T::DTYPE, root)? };
+        if !buf.is_empty() {
+            buf.copy_from_slice(&self.download(&d, buf.len())?);
+        }
         Ok(())
     }
 
-    fn host_recv<T: NcclType + Element + DeviceRepr>(
+    fn host_send_recv<T: Element + DeviceRepr + Default>(
+        &self,
+        send: &[T],
+        dst: usize,
+        recv: &mut [T],
+        src: usize,
+    ) -> Result<()> {
+        let plan = exchange_plan(self.rank, self.world_size, dst, src, send.len(), recv.len())
+            .map_err(|m| self.invalid(OpKind::SendRecv, m))?;
+        if plan == Exchange::LocalCopy {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        let d_send = self.upload(send)?;
+        let d_recv = self.scratch::<T>(recv.len())?;
+        // SAFETY: `send.len()` and `recv.len()` elements on this GPU (or nothing, for zero).
+        unsafe {
+            self.send_recv_raw(
+                self.raw(&d_send),
+                send.len(),
+                dst,
+                self.raw(&d_recv),
+                recv.len(),
+                src,
+                T::DTYPE,
+            )?
+        };
+        if !recv.is_empty() {
+            recv.copy_from_slice(&self.download(&d_recv, recv.len())?);
+        }
+        Ok(())
+    }
+
+    /// A lone send: to another rank it completes when that rank receives (NCCL's
+    /// point-to-point calls are rendezvous), so a rank must not send to a peer that is itself
+    /// sending to it first; use [`ProcessGroup::send_recv`] for exchanges. To this rank it is
+    /// queued for the matching [`ProcessGroup::recv`].
+    fn host_send<T: Element + DeviceRepr + Default>(&self, buf: &[T], dst: usize) -> Result<()> {
+        if dst == self.rank && dst < self.world_size {
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.to_self.push_back(SelfMessage(Box::new(buf.to_vec())));
+            return Ok(());
+        }
+        if dst >= self.world_size {
+            return Err(self.invalid(
+                OpKind::SendRecv,
+                format!(
+                    "send: rank {dst} is not in this {}-rank group",
+                    self.world_size
+                ),
+            ));
+        }
+        self.p2p_one(Some((buf, dst)), None::<(&mut [T], usize)>)
+    }
+
+    fn host_recv<T: Element + DeviceRepr + Default>(
         &self,
         buf: &mut [T],
         src: usize,
     ) -> Result<()> {
-        let mut head = self
-            .stream
-            .clone_htod(&[0i64; 2])
-            .map_err(|e| nccl_err("copy", e))?;
-        let mut d = self
-            .stream
-            .clone_htod(buf)
-            .map_err(|e| nccl_err("copy", e))?;
-        let len = buf.len();
-        let stream = self.stream.clone();
-        let ctx = self.ctx(OpKind::SendRecv, 0);
-        self.run(OpKind::SendRecv, T::DTYPE, len, src as i64, |comm| {
-            comm.recv(&mut head, src as i32)
-                .map_err(|e| nccl_err("ncclRecv", e))?;
-            self.wait(&ctx)?;
-            let h = stream.clone_dtoh(&head).map_err(|e| nccl_err("copy", e))?;
-            if h[0] as usize != len || h[1] != T::DTYPE.code() as i64 {
-                return Err(CommError::Mismatch {
-                    op: ctx.clone(),
-                    peer: src,
-                    expected: format!("recv({}, {len} elements)", T::DTYPE),
-                    found: format!("send({} elements)", h[0]),
-                });
-            }
-            comm.recv(&mut d, src as i32)
-                .map_err(|e| nccl_err("ncclRecv", e))?;
-            Ok(())
-        })?;
-        self.stream
-            .memcpy_dtoh(&d, buf)
-            .map_err(|e| nccl_err("copy", e))?;
-        self.stream.synchronize().map_err(|e| nccl_err("sync", e))?;
-        self.count(OpKind::SendRecv, std::mem::size_of_val(buf));
-        Ok(())
+        if src == self.rank && src < self.world_size {
+            let message = {
+                let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                state.to_self.pop_front()
+            };
+            let Some(SelfMessage(message)) = message else {
+                return Err(self.invalid(
+                    OpKind::SendRecv,
+                    "recv from this rank, which has sent nothing to itself".into(),
+                ));
+            };
+            return match message.downcast::<Vec<T>>() {
+                Ok(v) if v.len() == buf.len() => {
+                    buf.copy_from_slice(&v);
+                    Ok(())
+                }
+                Ok(v) => Err(self.invalid(
+                    OpKind::SendRecv,
+                    format!(
+                        "recv of {} elements from this rank, which sent itself {}",
+                        buf.len(),
+                        v.len()
+                    ),
+                )),
+                Err(_) => Err(self.invalid(
+                    OpKind::SendRecv,
+                    format!(
+                        "recv of {} from this rank, which sent another type",
+                        T::DTYPE
+                    ),
+                )),
+            };
+        }
+        if src >= self.world_size {
+            return Err(self.invalid(
+                OpKind::SendRecv,
+                format!(
+                    "recv: rank {src} is not in this {}-rank group",
+                    self.world_size
+                ),
+            ));
+        }
+        self.p2p_one(None::<(&[T], usize)>, Some((buf, src)))
     }
-}
 
-fn nccl_op(op: ReduceOp) -> cudarc::nccl::safe::ReduceOp {
-    use cudarc::nccl::safe::ReduceOp as N;
-    match op {
-        ReduceOp::Sum => N::Sum,
-        ReduceOp::Avg => N::Avg,
-        ReduceOp::Max => N::Max,
-        ReduceOp::Min => N::Min,
+    /// One direction of a point-to-point message, header then data, each in its own group.
+    fn p2p_one<T: Element + DeviceRepr + Default>(
+        &self,
+        send: Option<(&[T], usize)>,
+        recv: Option<(&mut [T], usize)>,
+    ) -> Result<()> {
+        let peer = send
+            .as_ref()
+            .map_or_else(|| recv.as_ref().unwrap().1, |s| s.1);
+        let (send_len, recv_len) = (
+            send.as_ref().map_or(0, |s| s.0.len()),
+            recv.as_ref().map_or(0, |r| r.0.len()),
+        );
+        let head = self
+            .stream
+            .clone_htod(&[send_len as i64, T::DTYPE.code() as i64])
+            .map_err(|e| nccl_err("copy", e))?;
+        let d_send = self.upload(send.as_ref().map_or(&[][..], |s| s.0))?;
+        let d_recv = self.scratch::<T>(recv_len)?;
+        let (head_ptr, send_ptr, recv_ptr) =
+            (self.ptr(&head), self.raw(&d_send), self.raw(&d_recv));
+        let stream = self.stream.clone();
+        let is_send = send.is_some();
+        self.run(
+            OpKind::SendRecv,
+            T::DTYPE,
+            send_len,
+            peer as i64,
+            |live, _| {
+                let op = if is_send {
+                    P2pOp::Send(peer)
+                } else {
+                    P2pOp::Recv(peer)
+                };
+                live.grouped(
+                    "ncclSend/ncclRecv (header)",
+                    &[(op, head_ptr, 2)],
+                    DType::I64,
+                )?;
+                live.complete()?;
+                if !is_send {
+                    let h = stream.clone_dtoh(&head).map_err(|e| nccl_err("copy", e))?;
+                    if h[0] != recv_len as i64 || h[1] != T::DTYPE.code() as i64 {
+                        return Err(CommError::Mismatch {
+                            op: live.ctx.clone(),
+                            peer,
+                            expected: format!("recv({}, {recv_len} elements)", T::DTYPE),
+                            found: format!("send({} elements)", h[0]),
+                        });
+                    }
+                }
+                let (ptr, len) = if is_send {
+                    (send_ptr, send_len)
+                } else {
+                    (recv_ptr, recv_len)
+                };
+                if len > 0 {
+                    live.grouped("ncclSend/ncclRecv", &[(op, ptr, len)], T::DTYPE)?;
+                    live.complete()?;
+                }
+                Ok(())
+            },
+        )?;
+        if let Some((buf, _)) = recv {
+            if !buf.is_empty() {
+                buf.copy_from_slice(&self.download(&d_recv, recv_len)?);
+            }
+            self.counters
+                .received(OpKind::SendRecv, std::mem::size_of_val(buf));
+        } else {
+            self.counters
+                .sent(OpKind::SendRecv, send_len * T::DTYPE.size());
+        }
+        Ok(())
     }
 }
 
@@ -656,16 +1532,29 @@ impl ProcessGroup for NcclGroup {
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
         dispatch!(buf, |b| self.host_recv(b, src))
     }
+    fn send_recv(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> Result<()> {
+        match (send, recv) {
+            (BufRef::F32(s), BufMut::F32(r)) => self.host_send_recv(s, dst, r, src),
+            (BufRef::F16(s), BufMut::F16(r)) => self.host_send_recv(s, dst, r, src),
+            (BufRef::BF16(s), BufMut::BF16(r)) => self.host_send_recv(s, dst, r, src),
+            (BufRef::I64(s), BufMut::I64(r)) => self.host_send_recv(s, dst, r, src),
+            (s, r) => Err(CommError::DTypeMismatch {
+                op: self.ctx(OpKind::SendRecv, 0),
+                a: s.dtype(),
+                b: r.dtype(),
+            }),
+        }
+    }
     fn barrier(&self) -> Result<()> {
         let mut v = [0i64];
         self.host_all_reduce(&mut v, ReduceOp::Sum)
     }
     fn split(&self, ranks: &[usize], name: &str) -> Result<Arc<dyn ProcessGroup>> {
         let Some(me) = ranks.iter().position(|&r| r == self.rank) else {
-            return Err(CommError::InvalidArgument {
-                op: self.ctx(OpKind::Barrier, 0),
-                message: format!("split: this rank ({}) is not in {ranks:?}", self.rank),
-            });
+            return Err(self.invalid(
+                OpKind::Barrier,
+                format!("split: this rank ({}) is not in {ranks:?}", self.rank),
+            ));
         };
         let globals: Vec<usize> = ranks.iter().map(|&r| self.members[r]).collect();
         let count = {
@@ -684,14 +1573,16 @@ impl ProcessGroup for NcclGroup {
                 .join(","),
             name
         );
-        let comm = Self::init_comm(&self.store, &key, &self.stream, me, ranks.len())?;
+        let comm = Self::init_comm(
+            &self.store,
+            &key,
+            &self.stream,
+            me,
+            ranks.len(),
+            self.timeout,
+        )?;
         Ok(Arc::new(NcclGroup {
-            state: Mutex::new(State {
-                comm: Some(SendComm(comm)),
-                seq: 0,
-                splits: Default::default(),
-                poisoned: None,
-            }),
+            state: Mutex::new(State::new(comm)),
             stream: self.stream.clone(),
             rank: me,
             world_size: ranks.len(),
@@ -705,5 +1596,119 @@ impl ProcessGroup for NcclGroup {
     }
     fn stats(&self) -> CommStats {
         self.counters.snapshot()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_length_collectives_are_checked_but_move_nothing() {
+        for kind in [
+            OpKind::AllReduce,
+            OpKind::AllGather,
+            OpKind::ReduceScatter,
+            OpKind::Broadcast,
+        ] {
+            assert_eq!(
+                launch_plan(kind, 0, 4),
+                Launch {
+                    check_descriptors: true,
+                    data: false
+                },
+                "{kind}"
+            );
+            assert!(launch_plan(kind, 1, 4).data);
+            // Alone, there is nobody to compare with.
+            assert!(!launch_plan(kind, 5, 1).check_descriptors);
+        }
+        // Point-to-point lengths travel in headers, not group descriptors.
+        assert!(!launch_plan(OpKind::SendRecv, 5, 4).check_descriptors);
+    }
+
+    #[test]
+    fn a_ring_exchange_posts_send_and_recv_in_one_group() {
+        // The comm-check ring: every rank sends right and receives from the left. Both calls
+        // are in one group on every rank, so no rank waits on a send before posting its recv.
+        let n = 4;
+        for r in 0..n {
+            let (dst, src) = ((r + 1) % n, (r + n - 1) % n);
+            assert_eq!(
+                exchange_plan(r, n, dst, src, 10, 10).unwrap(),
+                Exchange::Grouped {
+                    headers: [P2pOp::Send(dst), P2pOp::Recv(src)],
+                    data: vec![P2pOp::Send(dst), P2pOp::Recv(src)],
+                }
+            );
+        }
+        // Two ranks exchanging with each other: the same plan.
+        assert_eq!(
+            exchange_plan(0, 2, 1, 1, 3, 3).unwrap(),
+            Exchange::Grouped {
+                headers: [P2pOp::Send(1), P2pOp::Recv(1)],
+                data: vec![P2pOp::Send(1), P2pOp::Recv(1)],
+            }
+        );
+    }
+
+    #[test]
+    fn a_message_to_this_rank_is_a_local_copy() {
+        // World size 1: the ring sends to itself.
+        assert_eq!(
+            exchange_plan(0, 1, 0, 0, 7, 7).unwrap(),
+            Exchange::LocalCopy
+        );
+        assert_eq!(
+            exchange_plan(2, 4, 2, 2, 0, 0).unwrap(),
+            Exchange::LocalCopy
+        );
+        assert!(exchange_plan(0, 1, 0, 0, 7, 6).is_err());
+        // Half an exchange with oneself cannot be matched by any other rank.
+        let e = exchange_plan(1, 4, 1, 0, 3, 3).unwrap_err();
+        assert!(e.contains("must be received from this rank"), "{e}");
+        assert!(exchange_plan(1, 4, 2, 1, 3, 3).is_err());
+    }
+
+    #[test]
+    fn zero_length_exchanges_send_headers_only() {
+        assert_eq!(
+            exchange_plan(0, 2, 1, 1, 0, 0).unwrap(),
+            Exchange::Grouped {
+                headers: [P2pOp::Send(1), P2pOp::Recv(1)],
+                data: vec![],
+            }
+        );
+        assert_eq!(
+            exchange_plan(0, 3, 1, 2, 0, 4).unwrap(),
+            Exchange::Grouped {
+                headers: [P2pOp::Send(1), P2pOp::Recv(2)],
+                data: vec![P2pOp::Recv(2)],
+            }
+        );
+    }
+
+    #[test]
+    fn exchange_peers_must_be_in_the_group() {
+        let e = exchange_plan(0, 2, 2, 1, 1, 1).unwrap_err();
+        assert!(e.contains("dst=2"), "{e}");
+    }
+
+    #[test]
+    fn the_config_is_nccl_s_initializer_made_non_blocking() {
+        let c = nonblocking_config();
+        assert_eq!(c.size, std::mem::size_of::<ns::ncclConfig_t>());
+        assert_eq!(c.magic, 0xcafe_beef);
+        assert_eq!(c.blocking, 0);
+        // Unset fields keep NCCL's defaults (NCCL_CONFIG_UNDEF_INT), not 0.
+        assert_eq!(c.minCTAs, c_int::MIN);
+        assert_eq!(c.splitShare, c_int::MIN);
+    }
+
+    #[test]
+    fn every_dtype_has_its_nccl_type() {
+        assert_eq!(nccl_dtype(DType::BF16), ns::ncclDataType_t::ncclBfloat16);
+        assert_eq!(nccl_dtype(DType::I64), ns::ncclDataType_t::ncclInt64);
+        assert_eq!(nccl_op(ReduceOp::Avg), ns::ncclRedOp_t::ncclAvg);
     }
 }

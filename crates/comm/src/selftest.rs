@@ -5,9 +5,11 @@
 //! The same check runs on [`LocalGroup`](crate::LocalGroup) in the tests and on real processes
 //! with `kiln launch --nproc-per-node N -- kiln comm-check` (a cluster's first smoke test).
 //! Contributions are small integers, so sums are exact in every type and results can be
-//! compared exactly.
+//! compared exactly, with one exception: NCCL computes a floating-point `Avg` by pre-scaling
+//! each contribution by a rounded 1/N and summing, so there its results are compared within
+//! [`avg_tolerance`] (the local and TCP groups sum, then divide once: exact).
 
-use crate::dtype::{Element, ReduceOp};
+use crate::dtype::{DType, Element, ReduceOp};
 use crate::group::ProcessGroup;
 use crate::shard::shard_range;
 use half::{bf16, f16};
@@ -43,16 +45,66 @@ fn reduced<T: Element>(world: usize, len: usize, op: ReduceOp) -> Vec<T> {
 }
 
 fn compare<T: Element>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
+    compare_within(what, got, want, 0.0)
+}
+
+/// `compare` allowing `|got - want| <= tolerance` (0: bitwise equal).
+fn compare_within<T: Element>(
+    what: &str,
+    got: &[T],
+    want: &[T],
+    tolerance: f64,
+) -> Result<(), String> {
     if got.len() != want.len() {
         return Err(format!("{what}: length {} != {}", got.len(), want.len()));
     }
-    match got.iter().zip(want).position(|(a, b)| a != b) {
+    let differs = |a: &T, b: &T| {
+        if tolerance == 0.0 {
+            a != b
+        } else {
+            // A NaN result fails too.
+            let d = (to_f64(*a) - to_f64(*b)).abs();
+            d.is_nan() || d > tolerance
+        }
+    };
+    match got.iter().zip(want).position(|(a, b)| differs(a, b)) {
         None => Ok(()),
         Some(i) => Err(format!(
-            "{what}: element {i} is {:?}, expected {:?}",
-            got[i], want[i]
+            "{what}: element {i} is {:?}, expected {:?}{}",
+            got[i],
+            want[i],
+            if tolerance > 0.0 {
+                format!(" (tolerance {tolerance:.3e})")
+            } else {
+                String::new()
+            }
         )),
     }
+}
+
+fn to_f64<T: Element>(x: T) -> f64 {
+    match T::DTYPE {
+        DType::F32 => bytemuck::cast::<T, f32>(x) as f64,
+        DType::F16 => bytemuck::cast::<T, f16>(x).to_f64(),
+        DType::BF16 => bytemuck::cast::<T, bf16>(x).to_f64(),
+        DType::I64 => bytemuck::cast::<T, i64>(x) as f64,
+    }
+}
+
+/// How far NCCL's `Avg` of `world` contributions in `-5..=5` may be from the exact average
+/// rounded to `dtype`. NCCL multiplies each contribution by 1/N rounded to the element type,
+/// then sums: N products (each off by at most half an ulp of 5/N), N-1 additions (half an
+/// ulp of at most 5 each), the rounded scalar (half an ulp of the result) and the expected
+/// value's own rounding sum to at most 2.5 (N + 3) machine epsilons; twice that is allowed,
+/// for the reduction order. Integers are summed, then divided (truncating, as here): exact.
+pub fn avg_tolerance(dtype: DType, world: usize) -> f64 {
+    let eps = match dtype {
+        DType::F32 => f32::EPSILON as f64,
+        DType::F16 => f16::EPSILON.to_f64(),
+        DType::BF16 => bf16::EPSILON.to_f64(),
+        DType::I64 => return 0.0,
+    };
+    5.0 * (world as f64 + 3.0) * eps
 }
 
 fn lengths(world: usize) -> Vec<usize> {
@@ -78,15 +130,21 @@ where
 {
     let (n, r) = (g.world_size(), g.rank());
     let err = |e: crate::CommError| e.to_string();
+    // Local and TCP groups divide once, exactly; NCCL pre-scales (see `avg_tolerance`).
+    let tolerance = |op: ReduceOp| match (op, g.backend()) {
+        (ReduceOp::Avg, "nccl") => avg_tolerance(T::DTYPE, n),
+        _ => 0.0,
+    };
     for len in lengths(n) {
         let tag = |op: &str| format!("{op}({}, {len} elements)", T::DTYPE);
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
             let mut buf = contribution::<T>(r, len);
             g.all_reduce(buf.as_mut_slice().into(), op).map_err(err)?;
-            compare(
+            compare_within(
                 &tag(&format!("all_reduce[{op}]")),
                 &buf,
                 &reduced::<T>(n, len, op),
+                tolerance(op),
             )?;
 
             let input = contribution::<T>(r, len);
@@ -94,10 +152,11 @@ where
             let mut out = vec![T::from_f64(99.0); mine.len()];
             g.reduce_scatter(input.as_slice().into(), out.as_mut_slice().into(), op)
                 .map_err(err)?;
-            compare(
+            compare_within(
                 &tag(&format!("reduce_scatter[{op}]")),
                 &out,
                 &reduced::<T>(n, len, op)[mine],
+                tolerance(op),
             )?;
             report.checks += 2;
         }
@@ -122,14 +181,40 @@ where
             &contribution::<T>(root, len),
         )?;
 
-        // A ring of point-to-point messages (a rank sends to itself when alone).
+        // A ring of point-to-point messages (a rank sends to itself when alone), as one
+        // exchange per rank: on NCCL a send completes only when received, so sends posted
+        // before receives around a ring would deadlock.
         let send = contribution::<T>(r, len);
-        g.send(send.as_slice().into(), (r + 1) % n).map_err(err)?;
         let mut got = vec![T::from_f64(99.0); len];
         let left = (r + n - 1) % n;
-        g.recv(got.as_mut_slice().into(), left).map_err(err)?;
-        compare(&tag("send/recv"), &got, &contribution::<T>(left, len))?;
-        report.checks += 3;
+        g.send_recv(
+            send.as_slice().into(),
+            (r + 1) % n,
+            got.as_mut_slice().into(),
+            left,
+        )
+        .map_err(err)?;
+        compare(&tag("send_recv ring"), &got, &contribution::<T>(left, len))?;
+
+        // Lone send and recv, in an order that cannot deadlock: even ranks send first.
+        if n > 1 {
+            let right = (r + 1) % n;
+            let mut got = vec![T::from_f64(99.0); len];
+            let pair_up = r % 2 == 0;
+            if pair_up && right != r && r + 1 < n {
+                g.send(send.as_slice().into(), right).map_err(err)?;
+            } else if !pair_up {
+                g.recv(got.as_mut_slice().into(), left).map_err(err)?;
+                compare(&tag("send/recv"), &got, &contribution::<T>(left, len))?;
+            }
+        }
+
+        // A message to oneself, queued until received.
+        let mut got = vec![T::from_f64(99.0); len];
+        g.send(send.as_slice().into(), r).map_err(err)?;
+        g.recv(got.as_mut_slice().into(), r).map_err(err)?;
+        compare(&tag("send/recv to self"), &got, &send)?;
+        report.checks += 4;
     }
     Ok(())
 }
@@ -158,4 +243,44 @@ pub fn run(group: &dyn ProcessGroup) -> Result<Report, String> {
     group.barrier().map_err(|e| e.to_string())?;
     report.checks += 1;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LocalGroup, spawn_ranks};
+
+    #[test]
+    fn avg_tolerance_is_a_few_ulps_of_the_type_and_zero_for_integers() {
+        assert_eq!(avg_tolerance(DType::I64, 8), 0.0);
+        let (f32_tol, bf16_tol) = (avg_tolerance(DType::F32, 2), avg_tolerance(DType::BF16, 2));
+        assert!(f32_tol < 1e-5 && f32_tol > 0.0, "{f32_tol}");
+        assert!(bf16_tol < 0.25 && bf16_tol > f32_tol, "{bf16_tol}");
+        // Loose enough for one ulp of 1/3 at 5 (bf16: 0.03), tight enough to catch a
+        // sum reported as an average (off by at least 0.5 for these contributions).
+        assert!(avg_tolerance(DType::BF16, 3) > 0.03 && avg_tolerance(DType::BF16, 3) < 0.5);
+        assert!(avg_tolerance(DType::F16, 8) < 0.1);
+    }
+
+    #[test]
+    fn compare_within_accepts_rounding_and_rejects_wrong_values() {
+        let want = [bf16::from_f32(1.0 / 3.0)];
+        let near = [bf16::from_bits(want[0].to_bits() + 1)];
+        assert!(compare("x", &near, &want).is_err());
+        assert!(compare_within("x", &near, &want, avg_tolerance(DType::BF16, 3)).is_ok());
+        assert!(compare_within("x", &[bf16::from_f32(1.0)], &want, 0.1).is_err());
+        assert!(compare_within("x", &[f32::NAN], &[0.0f32], 1.0).is_err());
+    }
+
+    #[test]
+    fn a_dyn_group_downcasts_to_its_implementation() {
+        let results = spawn_ranks(1, |g: LocalGroup| {
+            let g: std::sync::Arc<dyn ProcessGroup> = std::sync::Arc::new(g);
+            (
+                g.downcast_ref::<LocalGroup>().is_some(),
+                g.downcast_ref::<crate::TcpGroup>().is_some(),
+            )
+        });
+        assert_eq!(results, [(true, false)]);
+    }
 }
