@@ -5,7 +5,13 @@
 //! cargo run --release -p kiln-cli --bin comm-bench                      # local + tcp, N = 2,4,8
 //! cargo run --release -p kiln-cli --bin comm-bench -- --max-size 16M    # a quicker run
 //! kiln launch --nproc-per-node 4 -- target/release/comm-bench           # tcp across processes
+//! target/release/comm-bench --groups tcp-mp --ranks 2,4 --min-size 1M --repeat 3
 //! ```
+//!
+//! `tcp-mp` spawns the ranks as processes of this binary (the launcher's variables set for
+//! each), one job per world size; `--repeat` keeps each size's best of several timed runs, for
+//! a machine that is busy with other work. `bench/torch/allreduce_gloo.py` prints the same
+//! columns for PyTorch's gloo, and `scripts/bench-allreduce.sh` puts the two side by side.
 //!
 //! busbw = algbw x 2(N-1)/N, as nccl-tests defines it: the bandwidth each rank's links carry in
 //! a ring all-reduce, comparable across world sizes. Without launcher variables the ranks are
@@ -28,7 +34,7 @@ struct Args {
     /// World sizes to run (in-process mode).
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     ranks: Vec<usize>,
-    /// Group kinds to run (in-process mode): local, tcp.
+    /// Group kinds to run: local, tcp (ranks as threads), tcp-mp (ranks as processes).
     #[arg(long, value_delimiter = ',', default_value = "local,tcp")]
     groups: Vec<String>,
     /// Smallest message (bytes; K, M, G suffixes).
@@ -37,6 +43,12 @@ struct Args {
     /// Largest message.
     #[arg(long, default_value = "256M", value_parser = parse_size)]
     max_size: usize,
+    /// Each size grows by this factor, from --min-size to --max-size.
+    #[arg(long, default_value_t = 4)]
+    factor: usize,
+    /// Timed runs per size; the best is reported (a busy machine only ever slows a run).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
     /// Process group under a launcher: tcp, or nccl (needs `--features nccl`).
     #[arg(long, default_value = "tcp")]
     backend: String,
@@ -68,7 +80,7 @@ fn sizes(args: &Args) -> Vec<usize> {
     let mut s = args.min_size.max(4);
     while s <= args.max_size {
         v.push(s);
-        s *= 4;
+        s *= args.factor.max(2);
     }
     v
 }
@@ -94,20 +106,25 @@ fn iterations(bytes: usize) -> usize {
     ((64usize << 20) / bytes).clamp(2, 200)
 }
 
-/// Times all-reduces on one rank; returns seconds per all-reduce for each size.
-fn run_rank(group: &dyn ProcessGroup, sizes: &[usize]) -> Result<Vec<f64>> {
+/// Times all-reduces on one rank; returns seconds per all-reduce for each size, the best of
+/// `repeat` timed runs.
+fn run_rank(group: &dyn ProcessGroup, sizes: &[usize], repeat: usize) -> Result<Vec<f64>> {
     let mut times = Vec::new();
     for &bytes in sizes {
         let mut buf = vec![1.0f32; bytes / 4];
         group.all_reduce((&mut buf[..]).into(), ReduceOp::Sum)?; // warm-up
         let iters = iterations(bytes);
-        group.barrier()?;
-        let t = Instant::now();
-        for _ in 0..iters {
-            group.all_reduce((&mut buf[..]).into(), ReduceOp::Sum)?;
+        let mut best = f64::MAX;
+        for _ in 0..repeat.max(1) {
+            group.barrier()?;
+            let t = Instant::now();
+            for _ in 0..iters {
+                group.all_reduce((&mut buf[..]).into(), ReduceOp::Sum)?;
+            }
+            group.barrier()?;
+            best = best.min(t.elapsed().as_secs_f64() / iters as f64);
         }
-        group.barrier()?;
-        times.push(t.elapsed().as_secs_f64() / iters as f64);
+        times.push(best);
     }
     Ok(times)
 }
@@ -135,10 +152,47 @@ fn header(memcpy: f64) {
     );
 }
 
-fn in_process(kind: &str, n: usize, sizes: &[usize]) -> Result<Vec<f64>> {
+/// Runs one job of `n` processes of this binary (rank 0 prints its rows), as `kiln launch`
+/// would start them, on a free loopback port.
+fn processes(n: usize) -> Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let exe = std::env::current_exe().context("finding this binary")?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let children: Vec<std::process::Child> = (0..n)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(&args)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("KILN_COMM_BENCH_CHILD", "1")
+                .spawn()
+                .context("starting a rank")
+        })
+        .collect::<Result<_>>()?;
+    let mut failed = 0;
+    for mut child in children {
+        if !child.wait()?.success() {
+            failed += 1;
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} of {n} ranks failed");
+    }
+    Ok(())
+}
+
+fn in_process(kind: &str, n: usize, sizes: &[usize], repeat: usize) -> Result<Vec<f64>> {
     let options = GroupOptions::default().with_timeout(Duration::from_secs(600));
     let results: Vec<Result<Vec<f64>>> = match kind {
-        "local" => kiln_comm::spawn_ranks_with(n, options, |g: LocalGroup| run_rank(&g, sizes)),
+        "local" => {
+            kiln_comm::spawn_ranks_with(n, options, |g: LocalGroup| run_rank(&g, sizes, repeat))
+        }
         "tcp" => {
             let server = StoreServer::bind("127.0.0.1:0")?;
             let addr = server.local_addr().to_string();
@@ -149,7 +203,7 @@ fn in_process(kind: &str, n: usize, sizes: &[usize]) -> Result<Vec<f64>> {
                         s.spawn(move || -> Result<Vec<f64>> {
                             let store = Arc::new(StoreClient::connect(&addr, options.timeout)?);
                             let g = TcpGroup::connect(store, rank, n, options)?;
-                            run_rank(&g, sizes)
+                            run_rank(&g, sizes, repeat)
                         })
                     })
                     .collect();
@@ -159,7 +213,7 @@ fn in_process(kind: &str, n: usize, sizes: &[usize]) -> Result<Vec<f64>> {
                     .collect()
             })
         }
-        other => bail!("unknown group kind {other:?} (local, tcp)"),
+        other => bail!("unknown group kind {other:?} (local, tcp, tcp-mp)"),
     };
     results.into_iter().next().expect("at least one rank")
 }
@@ -182,11 +236,13 @@ fn main() -> Result<()> {
                 bail!("process group '{other}' is not built in (tcp; nccl needs --features nccl)")
             }
         };
-        if group.rank() == 0 {
+        // A job started by `--groups tcp-mp` shares the parent's table header.
+        let child = std::env::var_os("KILN_COMM_BENCH_CHILD").is_some();
+        if group.rank() == 0 && !child {
             println!("ranks are processes (kiln launch); message sizes per rank");
             header(memcpy);
         }
-        let times = run_rank(group.as_ref(), &sizes)?;
+        let times = run_rank(group.as_ref(), &sizes, args.repeat)?;
         if group.rank() == 0 {
             let kind = format!("{}-mp", group.backend());
             report(&kind, group.world_size(), &sizes, &times, memcpy);
@@ -194,13 +250,17 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "ranks are threads of this process ({} cores)",
+        "ranks are threads of this process, or processes for tcp-mp ({} cores)",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     header(memcpy);
     for kind in &args.groups {
         for &n in &args.ranks {
-            let times = in_process(kind, n, &sizes)?;
+            if kind == "tcp-mp" {
+                processes(n)?;
+                continue;
+            }
+            let times = in_process(kind, n, &sizes, args.repeat)?;
             report(kind, n, &sizes, &times, memcpy);
         }
     }
