@@ -594,10 +594,23 @@ const DIRECT_BYTES: usize = 64 << 10;
 
 /// A ring step's chunk travels in pieces of this size, so the receiver reduces piece k while
 /// piece k+1 is on the wire (and in cache), instead of waiting for the whole chunk.
-const PIECE_BYTES: usize = 512 << 10;
+const PIECE_BYTES: usize = 128 << 10;
 
 fn piece_elems<T>() -> usize {
-    (PIECE_BYTES / std::mem::size_of::<T>()).max(1)
+    (piece_bytes() / std::mem::size_of::<T>()).max(1)
+}
+
+/// [`PIECE_BYTES`], or `KILN_COMM_PIECE_KIB` for tuning. Ranks need not agree on it: a
+/// receiver takes pieces of any size.
+fn piece_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("KILN_COMM_PIECE_KIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&k| k > 0)
+            .map_or(PIECE_BYTES, |k| k << 10)
+    })
 }
 
 /// Small all-reduce: every rank sends its buffer to every other and reduces all N buffers

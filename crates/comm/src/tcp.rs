@@ -286,6 +286,7 @@ impl TcpGroup {
                 source: e,
             };
             stream.set_nodelay(true).map_err(io)?;
+            socket_buffers(&stream);
             // A peer that stops reading (hung, not dead) must not block this rank forever.
             stream
                 .set_write_timeout(Some(options.timeout))
@@ -332,6 +333,42 @@ impl TcpGroup {
 }
 
 delegate_process_group!(TcpGroup);
+
+/// Socket buffers for bulk transfer: `KILN_COMM_SOCKBUF_KIB` sets both SO_SNDBUF and
+/// SO_RCVBUF (the kernel caps them at net.core.{w,r}mem_max); unset, the kernel autotunes.
+fn socket_buffers(stream: &TcpStream) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        unsafe extern "C" {
+            fn setsockopt(fd: i32, level: i32, name: i32, value: *const u8, len: u32) -> i32;
+        }
+        const SOL_SOCKET: i32 = 1;
+        const SO_SNDBUF: i32 = 7;
+        const SO_RCVBUF: i32 = 8;
+        let Some(kib) = std::env::var("KILN_COMM_SOCKBUF_KIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<i32>().ok())
+        else {
+            return;
+        };
+        let bytes: i32 = kib.saturating_mul(1024);
+        for name in [SO_SNDBUF, SO_RCVBUF] {
+            // SAFETY: a valid socket and a pointer to an int of the length given.
+            unsafe {
+                setsockopt(
+                    stream.as_raw_fd(),
+                    SOL_SOCKET,
+                    name,
+                    (&bytes as *const i32).cast(),
+                    4,
+                );
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = stream;
+}
 
 fn connect_until(addr: &str, deadline: Instant) -> std::io::Result<TcpStream> {
     let target: SocketAddr = addr

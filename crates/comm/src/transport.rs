@@ -148,10 +148,10 @@ pub(crate) struct BufPool {
 
 impl BufPool {
     /// Buffers above this size are not kept: large one-off messages (p2p, unpipelined sends)
-    /// would pin memory.
-    const MAX_KEPT_BYTES: usize = 8 << 20;
-    /// A collective has at most a few pieces in flight per peer.
-    const MAX_KEPT: usize = 32;
+    /// would pin memory. Collectives' pieces are well below it.
+    const MAX_KEPT_BYTES: usize = 1 << 20;
+    /// A collective has a few pieces in flight per peer; at most 16 MiB stays pooled.
+    const MAX_KEPT: usize = 16;
 
     /// A payload of `len` bytes (contents unspecified).
     pub fn take(self: &Arc<Self>, len: usize) -> Payload {
@@ -351,6 +351,19 @@ mod tests {
             mb.recv(0xdead_beef, 1, Lane::Collective, deadline),
             Err(RecvError::Closed(_))
         ));
+    }
+
+    #[test]
+    fn payloads_return_their_buffers_to_the_pool() {
+        let pool = Arc::new(BufPool::default());
+        let first = pool.copy_of(&[7u8; 100]);
+        let addr = first.as_ptr();
+        drop(first);
+        // A smaller payload reuses the buffer, without clearing it first.
+        let again = pool.take(10);
+        assert_eq!(again.as_ptr(), addr);
+        assert_eq!(again.len(), 10);
+        assert_eq!(&again[..], &[7u8; 10]);
     }
 
     #[test]
