@@ -114,8 +114,11 @@ fn zero3_holds_no_whole_parameter_between_uses() {
             step(model, &mut optim, rank, 1).1
         };
         let model = cfg.init::<B>(&Default::default());
-        // Buckets of 256 KiB, so that reduction buffers stay small beside the model.
-        let config = ShardConfig::new(Strategy::Zero3).with_bucket_bytes(256 << 10);
+        // Buckets of 256 KiB, so that reduction buffers stay small beside the model; no
+        // prefetch (which by design keeps the next parameters whole ahead of their use).
+        let config = ShardConfig::new(Strategy::Zero3)
+            .with_bucket_bytes(256 << 10)
+            .with_prefetch_bytes(0);
         let model = shard(model, group, config).unwrap();
         let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Gpt2<B>>());
         // The first step creates the optimizer state; the second is measured.

@@ -162,6 +162,14 @@ pub enum CommError {
         /// What went wrong.
         message: String,
     },
+    /// An asynchronous collective could not run or report back ([`CommQueue`](crate::CommQueue)).
+    #[error("communication queue of group '{group}': {message}")]
+    Queue {
+        /// The queue's group.
+        group: String,
+        /// What happened.
+        message: String,
+    },
     /// CUDA or NCCL is unavailable or returned an error.
     #[error("nccl: {0}")]
     Nccl(String),

@@ -44,6 +44,7 @@ pub mod store;
 mod tcp;
 pub mod tensor;
 mod transport;
+mod work;
 
 #[cfg(feature = "cuda")]
 pub use device::choose_cuda_device;
@@ -59,6 +60,7 @@ pub use nccl::NcclGroup;
 pub use shard::{shard_len, shard_range};
 pub use stats::{CommStats, Counters, KindStats};
 pub use tcp::TcpGroup;
+pub use work::{CommQueue, Work};
 
 macro_rules! buf_from {
     ($t:ty) => {

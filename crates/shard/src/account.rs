@@ -62,7 +62,9 @@ where
 /// This rank's traffic so far on the groups `module`'s sharding uses, or `None` if it is not
 /// sharded: without hybrid sharding, the group passed to [`shard`] (so it includes the
 /// caller's own collectives on that group); under hybrid sharding, the shard and replicate
-/// sub-groups made from it, whose counters the parent group does not see. Take the difference
+/// sub-groups made from it, whose counters the parent group does not see; with
+/// [`ShardConfig::overlap`](crate::ShardConfig::overlap), the communication queue's sub-group
+/// too. Take the difference
 /// of two readings ([`CommStats::since`]) for one step's traffic.
 ///
 /// [`shard`]: crate::shard()
@@ -74,11 +76,27 @@ where
 {
     let models = crate::strategy::Marks::<B>::of::<AB, M>(module).models();
     let m = models.first()?;
-    let shard = m.shard_group.stats();
+    let mut shard = m.shard_group.stats();
+    if let Some(queue) = &m.queue {
+        shard = shard.plus(&queue.group().stats());
+    }
     Some(match &m.replicate_group {
         Some(r) => shard.plus(&r.stats()),
         None => shard,
     })
+}
+
+/// How many parameter gathers `module`'s sharded model made through its communication queue,
+/// and how many an all-gather issued ahead served (ZeRO-3 / hybrid with
+/// [`ShardConfig::overlap`](crate::ShardConfig::overlap)); `None` if it is not sharded.
+pub fn prefetch_stats<B, AB, M>(module: &M) -> Option<crate::PrefetchStats>
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = crate::Shard<B>>,
+    M: Module<AB>,
+{
+    let models = crate::strategy::Marks::<B>::of::<AB, M>(module).models();
+    Some(models.first()?.prefetch().stats)
 }
 
 /// Size of a record (e.g. an optimizer's state, `optimizer.to_record()`) as this rank holds it:
@@ -212,6 +230,56 @@ pub(crate) fn with_kind<R>(kind: MemKind, f: impl FnOnce() -> R) -> R {
     let _restore = Restore(before);
     TAG.with(|t| t.set((before & !0xff) | kind as u64));
     f()
+}
+
+static RANK_WAIT_NS: [std::sync::atomic::AtomicU64; MAX_COUNTED_RANKS] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; MAX_COUNTED_RANKS];
+
+/// Runs `f`, a collective (or a wait for one) that blocks the thread computing for this rank,
+/// and counts the time towards the rank's [`comm_wait`]: exposed communication, the part that
+/// overlap and prefetch did not hide.
+pub(crate) fn waiting<R>(f: impl FnOnce() -> R) -> R {
+    let start = std::time::Instant::now();
+    let out = f();
+    add_wait(start.elapsed());
+    out
+}
+
+/// Adds `d` to this thread's rank's [`comm_wait`].
+pub(crate) fn add_wait(d: std::time::Duration) {
+    if let Some(counter) = current_rank().and_then(|r| RANK_WAIT_NS.get(r)) {
+        counter.fetch_add(d.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// How long `rank`'s compute thread has been blocked on collectives (gathers, gradient
+/// reductions, the optimizer's collectives) since the last [`reset_comm_wait`]: the exposed
+/// communication of its steps. Counted for ranks whose thread sharded a model (or called
+/// [`attribute_to_rank`]), whatever the global allocator.
+pub fn comm_wait(rank: usize) -> std::time::Duration {
+    RANK_WAIT_NS
+        .get(rank)
+        .map_or(std::time::Duration::ZERO, |c| {
+            std::time::Duration::from_nanos(c.load(std::sync::atomic::Ordering::Relaxed))
+        })
+}
+
+/// Starts `rank`'s [`comm_wait`] from zero.
+pub fn reset_comm_wait(rank: usize) {
+    if let Some(c) = RANK_WAIT_NS.get(rank) {
+        c.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// This thread's allocation tag (rank and kind), to give a helper thread working for the
+/// same rank (the communication queue's) with [`set_tag`].
+pub(crate) fn tag() -> u64 {
+    TAG.with(|t| t.get())
+}
+
+/// Makes this thread's allocations count as `tag`'s (see [`tag`]).
+pub(crate) fn set_tag(tag: u64) {
+    TAG.with(|t| t.set(tag));
 }
 
 /// What one rank holds on the heap, by kind, as counted by [`RankAlloc`].

@@ -132,6 +132,8 @@ pub struct Options {
     pub accumulate: usize,
     /// Accumulate micro-batches under [`no_sync`](crate::no_sync) and reduce once per step.
     pub no_sync: bool,
+    /// [`ShardConfig::overlap`]: communication on its own thread, ZeRO-3 prefetch.
+    pub overlap: bool,
 }
 
 impl Default for Options {
@@ -142,6 +144,7 @@ impl Default for Options {
             clip: None,
             accumulate: 1,
             no_sync: false,
+            overlap: true,
         }
     }
 }
@@ -155,6 +158,11 @@ pub struct Run {
     pub params: Vec<Vec<f32>>,
     /// Every parameter before the first step (after `shard`: rank 0's weights).
     pub initial: Vec<Vec<f32>>,
+    /// What this rank sent on sharding's groups during the steps (`account::comm_stats`;
+    /// the harness's own loss all-reduce included, on the group it was given).
+    pub traffic: kiln_comm::CommStats,
+    /// Parameter gathers, and how many were prefetched (ZeRO-3 / hybrid with overlap).
+    pub prefetch: crate::PrefetchStats,
 }
 
 /// `model` with every float parameter replaced by `values` (whole tensors, module order), for a
@@ -219,11 +227,14 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         Some(g) => shard(
             model,
             g.clone(),
-            ShardConfig::new(strategy).with_bucket_bytes(600),
+            ShardConfig::new(strategy)
+                .with_bucket_bytes(600)
+                .with_overlap(opts.overlap),
         )?,
         None => model,
     };
     let initial = params::<B, M>(&model);
+    let traffic_before = crate::account::comm_stats(&model).unwrap_or_default();
     let mut optim = ShardedOptimizer::<_, B>::new(
         AdamWConfig::new()
             .with_weight_decay(0.1)
@@ -261,6 +272,10 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         losses.push(step_loss);
         model = optim.step(1e-2, model, grads);
     }
+    let traffic = crate::account::comm_stats(&model)
+        .unwrap_or_default()
+        .since(&traffic_before);
+    let prefetch = crate::account::prefetch_stats(&model).unwrap_or_default();
     let model = match &group {
         Some(_) => gather_model(model),
         None => model,
@@ -269,6 +284,8 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         losses,
         params: params::<B, M>(&model),
         initial,
+        traffic,
+        prefetch,
     })
 }
 

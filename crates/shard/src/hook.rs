@@ -15,6 +15,7 @@
 //!
 //! Inside [`no_sync`](crate::no_sync) the hook leaves gradients whole and unreduced.
 
+use crate::account::{MemKind, waiting, with_kind};
 use crate::ops::policy::{Host, local, read, slice_local, write};
 use crate::state::{AnyModel, ModelState, PendingGrad, model_of};
 use crate::tensor::Sharded;
@@ -24,7 +25,7 @@ use burn_backend::distributed::{
 };
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
-use kiln_comm::{ReduceOp, shard_range};
+use kiln_comm::{ProcessGroup, ReduceOp, Work, shard_range};
 use std::cell::RefCell;
 use std::sync::Arc;
 
@@ -54,7 +55,7 @@ impl<B: Backend> DistributedBackend for Shard<B> {
             let (m, _) = model::<B>(p);
             if !models.iter().any(|(seq, _)| *seq == m.seq) {
                 assert!(
-                    m.lock().bucket.is_empty(),
+                    m.lock().bucket.is_empty() && m.lock().in_flight.is_empty(),
                     "kiln: a backward pass started before the previous one synchronised its \
                      gradients"
                 );
@@ -109,11 +110,21 @@ impl<B: Backend> DistributedBackend for Shard<B> {
                 std::mem::take(&mut d.bucket)
             };
             flush(&m, bucket);
+            land(&m);
         }
     }
 }
 
-/// Reduces a bucket and writes the results back into the gradient container.
+/// A bucket handed to the model's communication queue: written back into the gradient
+/// container when backward ends (the pointers stay valid until then, see `PendingGrad`).
+pub(crate) struct InFlight<B: Backend> {
+    bucket: Vec<PendingGrad<B>>,
+    layout: Layout<B>,
+    work: Work<Host>,
+}
+
+/// Reduces a bucket: on the model's communication queue when it has one (backward goes on;
+/// the results are written back when it ends), else now.
 fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
     if bucket.is_empty() {
         return;
@@ -123,35 +134,118 @@ fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
         .iter()
         .map(|p| (unsafe { (*p.ptr).clone() }, p.shape.clone()))
         .collect();
-    let reduced = crate::account::with_kind(crate::account::MemKind::Comm, || reduce(m, grads));
+    let in_flight = with_kind(MemKind::Comm, || match prepare(m, grads) {
+        Prepared::Done(reduced) => {
+            put_back(&bucket, reduced);
+            None
+        }
+        Prepared::Send(layout, send) => match &m.queue {
+            Some(queue) => {
+                let across = m.replicate_group.clone();
+                let tag = crate::account::tag();
+                let work = queue.submit("gradient reduction", move |g| {
+                    crate::account::set_tag(tag);
+                    with_kind(MemKind::Comm, || communicate(g, across.as_deref(), send))
+                });
+                Some(InFlight {
+                    bucket,
+                    layout,
+                    work,
+                })
+            }
+            None => {
+                let out = waiting(|| {
+                    communicate(m.shard_group.as_ref(), m.replicate_group.as_deref(), send)
+                });
+                let reduced = finish(m, &layout, out);
+                put_back(&bucket, reduced);
+                None
+            }
+        },
+    });
+    if let Some(f) = in_flight {
+        m.lock().in_flight.push(f);
+    }
+}
+
+/// Waits for the model's buckets in flight, in order, and writes their results back.
+fn land<B: Backend>(m: &ModelState<B>) {
+    let in_flight = std::mem::take(&mut m.lock().in_flight);
+    for f in in_flight {
+        let (out, waited) = f.work.wait_timed();
+        crate::account::add_wait(waited);
+        let reduced = with_kind(MemKind::Comm, || finish(m, &f.layout, out));
+        put_back(&f.bucket, reduced);
+    }
+}
+
+fn put_back<B: Backend>(bucket: &[PendingGrad<B>], reduced: Vec<ShardTensor<B>>) {
     for (p, reduced) in bucket.iter().zip(reduced) {
-        // SAFETY: as above.
+        // SAFETY: as in `flush`.
         unsafe { *p.ptr = reduced };
     }
 }
 
 /// Reduces whole gradients (in their order, identical on every rank) as the model's strategy
-/// says: averaged whole tensors for DDP, this rank's averaged shards otherwise.
+/// says: averaged whole tensors for DDP, this rank's averaged shards otherwise. Blocking.
 pub(crate) fn reduce<B: Backend>(
     m: &ModelState<B>,
     grads: Vec<(ShardTensor<B>, Shape)>,
 ) -> Vec<ShardTensor<B>> {
+    match prepare(m, grads) {
+        Prepared::Done(reduced) => reduced,
+        Prepared::Send(layout, send) => {
+            let out =
+                waiting(|| communicate(m.shard_group.as_ref(), m.replicate_group.as_deref(), send));
+            finish(m, &layout, out)
+        }
+    }
+}
+
+/// A bucket read to the host and laid out for its collective.
+enum Prepared<B: Backend> {
+    /// Nothing to communicate (one rank): the results.
+    Done(Vec<ShardTensor<B>>),
+    /// The buffer to reduce, and how to read the result.
+    Send(Layout<B>, Outgoing),
+}
+
+/// What the compute thread needs to turn a reduced buffer back into gradients.
+pub(crate) struct Layout<B: Backend> {
+    shapes: Vec<Shape>,
+    device: B::Device,
+    dtype: burn_backend::DType,
+    /// `None`: DDP's all-reduced concatenation; else the rank-major shards.
+    rank_major: Option<RankMajor>,
+}
+
+/// The buffer a bucket's collective sends, and which collective.
+pub(crate) enum Outgoing {
+    /// All-reduce (average) the concatenation.
+    AllReduce(Host),
+    /// Reduce-scatter (average) the rank-major layout (then all-reduce across replicas).
+    ReduceScatter { send: Host, chunk: usize },
+}
+
+fn prepare<B: Backend>(m: &ModelState<B>, grads: Vec<(ShardTensor<B>, Shape)>) -> Prepared<B> {
     let group = &m.shard_group;
     let strategy = m.config.strategy;
     if group.world_size() == 1 && m.replicate_group.is_none() {
         // Nothing to reduce: the gradients are already whole and final; a ZeRO strategy's
         // "shard" of a one-rank group is the whole tensor, so only the layout changes.
-        return grads
-            .into_iter()
-            .map(|(g, _)| {
-                let whole = local(g);
-                if strategy.shards_optimizer() {
-                    ShardTensor::Sharded(slice_local::<B>(whole, group))
-                } else {
-                    ShardTensor::Local(whole)
-                }
-            })
-            .collect();
+        return Prepared::Done(
+            grads
+                .into_iter()
+                .map(|(g, _)| {
+                    let whole = local(g);
+                    if strategy.shards_optimizer() {
+                        ShardTensor::Sharded(slice_local::<B>(whole, group))
+                    } else {
+                        ShardTensor::Local(whole)
+                    }
+                })
+                .collect(),
+        );
     }
     let shapes: Vec<Shape> = grads.iter().map(|(_, s)| s.clone()).collect();
     let inner: Vec<B::FloatTensorPrimitive> = grads.into_iter().map(|(g, _)| local(g)).collect();
@@ -161,71 +255,107 @@ pub(crate) fn reduce<B: Backend>(
         .into_iter()
         .map(|g| Host::from_data(read::<B>(g)))
         .collect();
-    let fail = |what: &str, e: kiln_comm::CommError| -> ! {
-        panic!(
-            "kiln: rank {} could not {what} a bucket of {} gradients on group '{}': {e}",
-            group.rank(),
-            shapes.len(),
-            group.name()
-        )
-    };
-
     if !strategy.shards_grads() {
-        // All-reduce the concatenation.
-        let mut flat = cat(&hosts);
-        group
-            .all_reduce(flat.buf_mut(), ReduceOp::Avg)
-            .unwrap_or_else(|e| fail("all-reduce", e));
-        let mut offset = 0;
-        return shapes
-            .iter()
-            .map(|shape| {
-                let n = shape.num_elements();
-                let data = flat.slice(offset, offset + n).into_data(shape.clone());
-                offset += n;
-                ShardTensor::Local(write::<B>(data, &device, dtype))
-            })
-            .collect();
+        let layout = Layout {
+            shapes,
+            device,
+            dtype,
+            rank_major: None,
+        };
+        return Prepared::Send(layout, Outgoing::AllReduce(cat(&hosts)));
     }
-
     // Reduce-scatter: rank-major layout, each gradient's shards padded to ceil(n / S).
-    let rank = group.rank();
     let numels: Vec<usize> = shapes.iter().map(Shape::num_elements).collect();
-    let layout = RankMajor::new(&numels, group.world_size());
-    let mut send = hosts[0].zeros(layout.len());
+    let rank_major = RankMajor::new(&numels, group.world_size());
+    let mut send = hosts[0].zeros(rank_major.len());
     for peer in 0..group.world_size() {
         for (i, h) in hosts.iter().enumerate() {
-            let (at, range) = layout.place(i, peer);
+            let (at, range) = rank_major.place(i, peer);
             send.copy_from(at, h, range);
         }
     }
-    drop(hosts);
-    let mut mine = send.zeros(layout.chunk);
-    group
-        .reduce_scatter(send.buf(), mine.buf_mut(), ReduceOp::Avg)
-        .unwrap_or_else(|e| fail("reduce-scatter", e));
-    drop(send);
-    if let Some(across) = &m.replicate_group {
-        across
-            .all_reduce(mine.buf_mut(), ReduceOp::Avg)
-            .unwrap_or_else(|e| fail("all-reduce (across replicas)", e));
+    let chunk = rank_major.chunk;
+    let layout = Layout {
+        shapes,
+        device,
+        dtype,
+        rank_major: Some(rank_major),
+    };
+    Prepared::Send(layout, Outgoing::ReduceScatter { send, chunk })
+}
+
+/// Runs a bucket's collective(s) on `group` (the model's shard group, or its queue's
+/// sub-group), then across replicas: the reduced buffer.
+fn communicate(
+    group: &dyn ProcessGroup,
+    across: Option<&dyn ProcessGroup>,
+    send: Outgoing,
+) -> kiln_comm::Result<Host> {
+    match send {
+        Outgoing::AllReduce(mut flat) => {
+            group.all_reduce(flat.buf_mut(), ReduceOp::Avg)?;
+            Ok(flat)
+        }
+        Outgoing::ReduceScatter { send, chunk } => {
+            let mut mine = send.zeros(chunk);
+            group.reduce_scatter(send.buf(), mine.buf_mut(), ReduceOp::Avg)?;
+            drop(send);
+            if let Some(across) = across {
+                across.all_reduce(mine.buf_mut(), ReduceOp::Avg)?;
+            }
+            Ok(mine)
+        }
     }
-    shapes
-        .into_iter()
+}
+
+/// The reduced gradients (whole, or this rank's shards) from a bucket's reduced buffer.
+fn finish<B: Backend>(
+    m: &ModelState<B>,
+    layout: &Layout<B>,
+    out: kiln_comm::Result<Host>,
+) -> Vec<ShardTensor<B>> {
+    let group = &m.shard_group;
+    let out = out.unwrap_or_else(|e| {
+        panic!(
+            "kiln: rank {} could not reduce a bucket of {} gradients on group '{}': {e}",
+            group.rank(),
+            layout.shapes.len(),
+            group.name()
+        )
+    });
+    let (device, dtype) = (&layout.device, layout.dtype);
+    let Some(rank_major) = &layout.rank_major else {
+        let mut offset = 0;
+        return layout
+            .shapes
+            .iter()
+            .map(|shape| {
+                let n = shape.num_elements();
+                let data = out.slice(offset, offset + n).into_data(shape.clone());
+                offset += n;
+                ShardTensor::Local(write::<B>(data, device, dtype))
+            })
+            .collect();
+    };
+    let rank = group.rank();
+    layout
+        .shapes
+        .iter()
         .enumerate()
         .map(|(i, shape)| {
-            let (at, range) = layout.place(i, rank);
-            let at = at - rank * layout.chunk;
+            let (at, range) = rank_major.place(i, rank);
+            let at = at - rank * rank_major.chunk;
             let shard = write::<B>(
-                mine.slice(at, at + range.len())
+                out.slice(at, at + range.len())
                     .into_data(Shape::from(vec![range.len()])),
-                &device,
+                device,
                 dtype,
             );
             ShardTensor::Sharded(Sharded {
                 shard,
-                shape,
+                shape: shape.clone(),
                 group: group.clone(),
+                tag: None,
             })
         })
         .collect()

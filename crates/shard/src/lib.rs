@@ -27,6 +27,7 @@ pub mod check;
 mod hook;
 mod ops;
 mod optim;
+mod prefetch;
 pub mod pieces;
 mod state;
 mod strategy;
@@ -35,6 +36,7 @@ mod tensor;
 
 pub use backend::Shard;
 pub use optim::{ShardedOptimizer, clip_grad_norm};
+pub use prefetch::PrefetchStats;
 pub use state::{InitSync, ShardConfig, ShardError, Strategy, local_reads};
 pub use strategy::{
     backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release, remark,

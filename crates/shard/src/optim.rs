@@ -79,6 +79,10 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: AutodiffModule<AB>,
 {
+    // Parameters change: nothing gathered or registered for prefetching survives the step.
+    for m in marks.models() {
+        m.prefetch().invalidate();
+    }
     let slices = marks.models().iter().any(|m| slices_params(m));
     let module = if slices {
         module.map(&mut Slicer::<B> { marks: &marks })
@@ -89,7 +93,11 @@ where
     for m in marks.models().iter().filter(|m| slices_params(m)) {
         module = gather_bucketed::<B, AB, M>(module, &marks, m);
     }
-    apply_marks::<B, AB, M>(module, &marks)
+    let module = apply_marks::<B, AB, M>(module, &marks);
+    for m in marks.models() {
+        crate::prefetch::prime(&m);
+    }
+    module
 }
 
 /// ZeRO-1/2: replicated parameters, sharded optimizer state.
@@ -240,7 +248,7 @@ where
         }
         let mine = mine.expect("a bucket holds a tensor");
         let mut all = mine.zeros(layout.len());
-        group.all_gather(mine.buf(), all.buf_mut()).unwrap_or_else(|e| {
+        crate::account::waiting(|| group.all_gather(mine.buf(), all.buf_mut())).unwrap_or_else(|e| {
             panic!(
                 "kiln: rank {} could not all-gather a bucket of {} parameters on group '{}': {e}",
                 group.rank(),
@@ -359,8 +367,7 @@ where
     let mut norm_sq = total::<B>(sum.whole);
     for (group, parts) in sum.sharded {
         let mut part = [total::<B>(parts) as f32];
-        group
-            .all_reduce((&mut part[..]).into(), ReduceOp::Sum)
+        crate::account::waiting(|| group.all_reduce((&mut part[..]).into(), ReduceOp::Sum))
             .unwrap_or_else(|e| {
                 panic!(
                     "kiln: rank {} could not all-reduce the gradient norm on group '{}': {e}",

@@ -81,6 +81,7 @@ pub fn from_values<B: Backend>(
                 shard: write::<B>(TensorData::new(values, [len]), device, dtype),
                 shape,
                 group: group.clone(),
+                tag: None,
             })
         }
     }

@@ -115,6 +115,16 @@ pub struct ShardConfig {
     pub bucket_bytes: usize,
     /// How the ranks' initial weights are made equal.
     pub init: InitSync,
+    /// Communication runs on a thread of its own, overlapping computation: gradient buckets
+    /// are reduced while backward goes on, and ZeRO-3 / hybrid prefetch parameters (on
+    /// CPU process groups; NCCL groups keep blocking collectives). Off: every collective
+    /// blocks the compute thread where it is issued (the results are the same).
+    pub overlap: bool,
+    /// ZeRO-3 / hybrid (with `overlap`): all-gathers of the parameters used next are issued
+    /// ahead, in the order learned on the first step (FSDP2's forward and backward prefetch),
+    /// up to this many bytes of whole parameters in flight (at least one parameter; 0: no
+    /// prefetch).
+    pub prefetch_bytes: usize,
 }
 
 impl ShardConfig {
@@ -124,6 +134,8 @@ impl ShardConfig {
             strategy,
             bucket_bytes: 25 << 20,
             init: InitSync::FromRank0,
+            overlap: true,
+            prefetch_bytes: 32 << 20,
         }
     }
     /// Another bucket size.
@@ -134,6 +146,16 @@ impl ShardConfig {
     /// Another way of making initial weights equal.
     pub fn with_init(mut self, init: InitSync) -> Self {
         self.init = init;
+        self
+    }
+    /// Communication overlapped with computation, or not (see [`ShardConfig::overlap`]).
+    pub fn with_overlap(mut self, overlap: bool) -> Self {
+        self.overlap = overlap;
+        self
+    }
+    /// Another prefetch budget (see [`ShardConfig::prefetch_bytes`]).
+    pub fn with_prefetch_bytes(mut self, bytes: usize) -> Self {
+        self.prefetch_bytes = bytes;
         self
     }
 }
@@ -197,6 +219,8 @@ pub(crate) struct Dynamic<B: Backend> {
     pub synced: HashSet<DistributedParamId>,
     /// Inside [`no_sync`](crate::no_sync): the hook leaves gradients unreduced.
     pub no_sync: bool,
+    /// Buckets handed to the communication queue, in order, written back when backward ends.
+    pub in_flight: Vec<crate::hook::InFlight<B>>,
 }
 
 /// One sharded model's state on this rank: its groups, configuration and the parameters the
@@ -213,11 +237,21 @@ pub(crate) struct ModelState<B: Backend> {
     pub replicate_group: Option<Arc<dyn ProcessGroup>>,
     pub config: ShardConfig,
     pub dynamic: Mutex<Dynamic<B>>,
+    /// The communication thread (over a sub-group of `shard_group`), with `config.overlap`
+    /// on a CPU group of more than one rank.
+    pub queue: Option<kiln_comm::CommQueue>,
+    pub prefetch: Mutex<crate::prefetch::Prefetch<B>>,
 }
 
 impl<B: Backend> ModelState<B> {
     pub fn lock(&self) -> std::sync::MutexGuard<'_, Dynamic<B>> {
         self.dynamic
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn prefetch(&self) -> std::sync::MutexGuard<'_, crate::prefetch::Prefetch<B>> {
+        self.prefetch
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }

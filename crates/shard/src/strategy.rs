@@ -89,6 +89,13 @@ where
     };
     let bucket_bytes = config.bucket_bytes;
     let init = config.init;
+    // NCCL groups keep blocking collectives: a communication thread would need the CUDA
+    // context and a stream ordered with the compute stream.
+    let queue = (config.overlap
+        && shard_group.world_size() > 1
+        && matches!(shard_group.backend(), "local" | "tcp"))
+    .then(|| kiln_comm::CommQueue::new(shard_group.as_ref()))
+    .transpose()?;
     let state = Arc::new(ModelState {
         seq: next_seq(),
         world_rank: group.rank(),
@@ -96,6 +103,8 @@ where
         replicate_group,
         config,
         dynamic: Mutex::new(Dynamic::default()),
+        queue,
+        prefetch: Mutex::default(),
     });
     let mut mapper = Sharder::<B> {
         state,
@@ -117,7 +126,9 @@ where
             !shard_params,
         )?;
     }
-    Ok(module)
+    // Tags the shards with their parameters' ids, for prefetching.
+    let marks = Marks::<B>::of::<AB, M>(&module);
+    Ok(apply_marks::<B, AB, M>(module, &marks))
 }
 
 /// Gathers every sharded parameter: the whole model on every rank (for saving, evaluation on a
@@ -351,8 +362,17 @@ where
             param: Param<Tensor<AB, D>>,
         ) -> Param<Tensor<AB, D>> {
             match self.0.get(param.id) {
-                Some((mark, _)) => {
+                Some((mark, model)) => {
                     let (id, tensor, mapper) = param.consume();
+                    // A shard learns which parameter it is the value of, for prefetching.
+                    let tensor = replace_primitive::<B, AB, D>(tensor, |t| match t {
+                        ShardTensor::Sharded(mut s) if s.group.world_size() > 1 => {
+                            s.tag = Some(*mark);
+                            model.prefetch().register(*mark, s.clone());
+                            ShardTensor::Sharded(s)
+                        }
+                        t => t,
+                    });
                     Param::from_mapped_value(id, tensor.set_distributed(*mark), mapper)
                 }
                 None => param,

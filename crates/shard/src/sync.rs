@@ -255,6 +255,7 @@ impl Scatter {
                 shard: write::<B>(host.into_data([len]), &device, dtype),
                 shape: s.shape,
                 group: s.group,
+                tag: None,
             })
         });
         (id, tensor, mapper)

@@ -96,6 +96,11 @@ pub struct Sharded<B: Backend> {
     pub shape: Shape,
     /// The group the tensor is sharded over.
     pub group: Arc<dyn ProcessGroup>,
+    /// The gradient-sync id of the parameter this shard is the current value of (set when a
+    /// sharded model's parameters are marked, kept by clones and views, dropped by any op that
+    /// computes new values): gathering it may use an all-gather prefetched in the order
+    /// learned on the first step (see `prefetch`).
+    pub(crate) tag: Option<burn_backend::distributed::DistributedParamId>,
 }
 
 impl<B: Backend> std::fmt::Debug for Sharded<B> {

@@ -18,12 +18,17 @@ const WIDTH: usize = 256;
 const WORLD: usize = 4;
 
 /// (bytes sent by rank 0 over sharding's groups, bytes sent on the world group) in one step.
-fn one_step(strategy: Strategy) -> (u64, u64) {
+fn one_step(strategy: Strategy, overlap: bool) -> (u64, u64) {
     let sent = spawn_ranks(WORLD, |g: LocalGroup| {
         let device = Default::default();
         let world: Arc<dyn ProcessGroup> = Arc::new(g);
         let model: Linear<B> = LinearConfig::new(WIDTH, WIDTH).init(&device);
-        let model = shard(model, world.clone(), ShardConfig::new(strategy)).unwrap();
+        let model = shard(
+            model,
+            world.clone(),
+            ShardConfig::new(strategy).with_overlap(overlap),
+        )
+        .unwrap();
         let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Linear<B>>());
         let (before, world_before) = (comm_stats(&model).unwrap(), world.stats());
         let x = Tensor::<B, 2>::from_data(
@@ -48,11 +53,16 @@ fn comm_stats_count_sharding_traffic_hybrid_included() {
     let ring = 2.0 * (WORLD - 1) as f64 / WORLD as f64 * psi_bytes;
 
     // DDP: one ring all-reduce of the gradients.
-    let (ddp, ddp_world) = one_step(Strategy::Ddp);
+    let (ddp, ddp_world) = one_step(Strategy::Ddp, false);
     assert_eq!(
         ddp, ddp_world,
-        "without hybrid, sharding's group is the world group"
+        "without hybrid or overlap, sharding's group is the world group"
     );
+    // With overlap, the same traffic on the communication queue's sub-group. (ZeRO-3 and
+    // hybrid below run without: with overlap they also prefetch the next step's first
+    // gathers when the step ends, which a one-step count would include.)
+    let (ddp_overlap, ddp_overlap_world) = one_step(Strategy::Ddp, true);
+    assert_eq!((ddp_overlap, ddp_overlap_world), (ddp, 0));
     assert!(
         (ddp as f64 / ring - 1.0).abs() < 0.01,
         "DDP sent {ddp} B, ring all-reduce {ring} B"
@@ -61,14 +71,14 @@ fn comm_stats_count_sharding_traffic_hybrid_included() {
     // ZeRO-3: an all-gather in forward and a reduce-scatter, Ψ (N-1)/N each. (The backward
     // re-gather of ZeRO's 3Ψ is not needed here: the layer's input needs no gradient, so the
     // weight is not read in backward.)
-    let (zero3, _) = one_step(Strategy::Zero3);
+    let (zero3, _) = one_step(Strategy::Zero3, false);
     assert!(
         (zero3 as f64 / ring - 1.0).abs() < 0.01,
         "ZeRO-3 sent {zero3} B, predicted {ring} B"
     );
 
     // Hybrid 2 x 2: all of it on the sub-groups, none on the world group.
-    let (hybrid, hybrid_world) = one_step(Strategy::Hybrid { shard_size: 2 });
+    let (hybrid, hybrid_world) = one_step(Strategy::Hybrid { shard_size: 2 }, false);
     assert_eq!(
         hybrid_world, 0,
         "hybrid sharding talks on its sub-groups only"

@@ -59,6 +59,8 @@ fn distill(student: Mlp<B>, teacher: &Mlp<B>, group: Option<Arc<dyn ProcessGroup
         losses,
         params: params::<Flex, _>(&student),
         initial,
+        traffic: Default::default(),
+        prefetch: Default::default(),
     }
 }
 

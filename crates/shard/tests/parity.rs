@@ -113,6 +113,7 @@ const CLIP_ACC: Options = Options {
     clip: Some(0.05),
     accumulate: 2,
     no_sync: false,
+    overlap: true,
 };
 
 #[test]
@@ -148,6 +149,64 @@ fn transformer_hybrid_and_zero3_with_clipping_and_accumulation() {
         &[4],
         CLIP_ACC,
     );
+}
+
+/// Communication on the queue's thread (buckets reduced during backward, ZeRO-3 gathers
+/// prefetched) computes exactly what blocking collectives compute, and after the first step
+/// the parameters' gathers are prefetched.
+#[test]
+fn overlap_and_prefetch_change_nothing_but_timing() {
+    let device = Default::default();
+    let initial = Mutex::new(tiny());
+    for strategy in [
+        Strategy::Ddp,
+        Strategy::Zero2,
+        Strategy::Zero3,
+        Strategy::Hybrid { shard_size: 2 },
+    ] {
+        let run = |overlap: bool| {
+            spawn_ranks(4, |g: LocalGroup| {
+                let model = initial.lock().unwrap().clone();
+                let opts = Options {
+                    overlap,
+                    steps: 4,
+                    ..CLIP_ACC
+                };
+                train(model, Some(Arc::new(g)), strategy, opts, &device).unwrap()
+            })
+        };
+        let (blocking, overlapped) = (run(false), run(true));
+        for (rank, (b, o)) in blocking.iter().zip(&overlapped).enumerate() {
+            assert_eq!(b.losses, o.losses, "{strategy} rank {rank}");
+            assert_eq!(b.params, o.params, "{strategy} rank {rank}");
+            // Prefetches that the next step does not use (the first step's order includes
+            // reading the initial weights) are sent for nothing: a few gathers.
+            let (bt, ot) = (b.traffic.total_sent(), o.traffic.total_sent());
+            if strategy.shards_params() {
+                if rank == 0 {
+                    println!(
+                        "{strategy}: {:?}, {ot} B sent vs {bt} B blocking",
+                        o.prefetch
+                    );
+                }
+                assert!(bt <= ot && ot * 4 <= bt * 5, "{strategy}: {ot} B vs {bt} B");
+            } else {
+                assert_eq!(bt, ot, "{strategy}");
+            }
+            assert_eq!(
+                b.prefetch.gathers, 0,
+                "{strategy}: blocking runs use no queue"
+            );
+            if strategy.shards_params() {
+                // 4 steps x 2 micro-batches; the first step records the order.
+                let p = o.prefetch;
+                assert!(
+                    p.gathers > 0 && p.prefetched * 8 >= p.gathers * 5,
+                    "{strategy} rank {rank}: {p:?}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
@@ -413,16 +472,9 @@ fn no_sync_sends_a_quarter_of_the_traffic_with_the_same_result() {
                 } else {
                     0
                 };
-                // What `shard`, and reading the initial and final weights, send: a run of no
-                // steps.
-                let before = group.stats();
-                let setup = Options { steps: 0, ..opts };
-                train(mlp(), Some(group.clone()), strategy, setup, &device).unwrap();
-                let setup = group.stats().since(&before).get(kind).bytes_sent;
-                let before = group.stats();
                 let run = train(mlp(), Some(group.clone()), strategy, opts, &device).unwrap();
-                let sent = group.stats().since(&before).get(kind).bytes_sent;
-                (run, sent - setup - opts.steps as u64 * loss_bytes)
+                let sent = run.traffic.get(kind).bytes_sent;
+                (run, sent - opts.steps as u64 * loss_bytes)
             })
         };
         let (synced, every) = run(false).swap_remove(0);

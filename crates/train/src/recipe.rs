@@ -152,6 +152,15 @@ pub struct ParallelRecipe {
     pub world_size: usize,
     /// Process group under a launcher: `tcp`, or `nccl` (GPUs; needs the `nccl` feature).
     pub backend: String,
+    /// Communication on a thread of its own, overlapping computation (gradient buckets reduced
+    /// during backward, ZeRO-3 parameters prefetched). Off: blocking collectives (for
+    /// measuring what overlap hides; the numbers are the same).
+    #[serde(default = "yes")]
+    pub overlap: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for ParallelRecipe {
@@ -161,6 +170,7 @@ impl Default for ParallelRecipe {
             ranks: 1,
             world_size: 0,
             backend: "tcp".into(),
+            overlap: true,
         }
     }
 }

@@ -227,6 +227,12 @@ impl RunInfo {
                 clock(elapsed_s),
                 human(s.tokens_per_s)
             ));
+            if self.world_size > 1 {
+                lines.push(format!(
+                    "waiting on collectives: {:.0}% of rank 0's step time",
+                    100.0 * s.comm_wait
+                ));
+            }
         }
         if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {
             lines.push(format!("training loss {first:.4} -> {last:.4}"));

@@ -35,6 +35,7 @@ use kiln_shard::pieces::{self, held_range};
 use kiln_shard::{Shard, ShardConfig, ShardTensor, ShardedOptimizer, clip_grad_norm};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Autodiff over kiln's sharding decorator over `B`.
 pub type Train<B> = Autodiff<Shard<B>>;
@@ -64,6 +65,9 @@ pub struct Summary {
     pub val_loss: Option<f64>,
     /// Tokens per second over the steps run.
     pub tokens_per_s: f64,
+    /// The fraction of this rank's step time spent blocked on collectives (exposed
+    /// communication; 0 on one rank).
+    pub comm_wait: f64,
     /// The generated sample (prompt included).
     pub sample: Option<String>,
     /// The newest snapshot written.
@@ -236,7 +240,8 @@ where
 
     let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len)?;
     let model = M::from_config(&config, device);
-    let model: M = kiln_shard::shard(model, group.clone(), ShardConfig::new(strategy))?;
+    let shard_config = ShardConfig::new(strategy).with_overlap(recipe.parallel.overlap);
+    let model: M = kiln_shard::shard(model, group.clone(), shard_config)?;
     let optim_config = AdamWConfig::new()
         .with_beta_1(t.beta1 as f32)
         .with_beta_2(t.beta2 as f32)
@@ -297,7 +302,11 @@ where
     let mut last_snapshot = None;
     let mut evaluated_at = None;
     drop(resume_from);
+    // Exposed communication: how long this rank's thread waits on collectives during steps.
+    let (mut step_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
     for step in first_step + 1..=last_step {
+        let step_start = Instant::now();
+        let wait_start = kiln_shard::account::comm_wait(group.rank());
         let lr = lr_at(t, step);
         let b = batch(
             &corpus.train,
@@ -320,6 +329,9 @@ where
         model = optim.step(lr, model, grads);
         optimizer_time += 1;
         let loss = all_mean(group.as_ref(), local)?;
+        let waited = kiln_shard::account::comm_wait(group.rank()).saturating_sub(wait_start);
+        step_time += step_start.elapsed();
+        wait_time += waited;
         if !loss.is_finite() {
             fail!(
                 Diverged,
@@ -338,6 +350,7 @@ where
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
             "elapsed_s": elapsed_s,
+            "comm_wait_s": waited.as_secs_f64(),
         }))?;
         report.report(Event::Step(&StepStats {
             step,
@@ -400,6 +413,7 @@ where
         last_step: last_step.max(first_step),
         val_loss,
         tokens_per_s,
+        comm_wait: wait_time.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
         sample,
         snapshot: last_snapshot,
         losses,

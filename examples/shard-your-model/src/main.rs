@@ -208,6 +208,8 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
             losses,
             params: params::<Flex, _>(&model),
             initial,
+            traffic: Default::default(),
+        prefetch: Default::default(),
         },
         param_bytes,
         optimizer_bytes,

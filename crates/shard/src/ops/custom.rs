@@ -25,6 +25,7 @@ fn created<B: Backend>(
             shard,
             shape: shape.clone(),
             group: c.group.clone(),
+            tag: None,
         })
     })
 }
@@ -198,8 +199,7 @@ fn reduce_all<B: Backend>(
         local_op(s.shard)
     };
     let mut host = Host::from_data(read::<B>(partial));
-    s.group
-        .all_reduce(host.buf_mut(), op)
+    crate::account::waiting(|| s.group.all_reduce(host.buf_mut(), op))
         .unwrap_or_else(|e| collective_failed("all-reduce", &s.shape, s.group.as_ref(), e));
     ShardTensor::Local(write::<B>(
         host.into_data(Shape::from(vec![1])),

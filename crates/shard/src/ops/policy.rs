@@ -58,6 +58,12 @@ pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
         // The one shard is the whole tensor.
         return B::float_reshape(s.shard.clone(), s.shape.clone());
     }
+    // A parameter's shard goes through its model's communication queue (prefetched there).
+    if let Some((m, id)) = s.tag.and_then(crate::state::model_of::<B>)
+        && let Some(queue) = &m.queue
+    {
+        return crate::prefetch::gather(&m, queue, id, s);
+    }
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
     let host = with_kind(MemKind::Comm, || {
@@ -66,8 +72,7 @@ pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
     // The buffer the whole tensor is received into becomes its storage (no copy on Flex).
     let mut full = with_kind(MemKind::Gathered, || host.zeros(s.numel()));
     with_kind(MemKind::Comm, || {
-        s.group
-            .all_gather(host.buf(), full.buf_mut())
+        crate::account::waiting(|| s.group.all_gather(host.buf(), full.buf_mut()))
             .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e))
     });
     drop(host);
@@ -97,6 +102,7 @@ pub(crate) fn slice_local<B: Backend>(
         shard,
         shape,
         group: group.clone(),
+        tag: None,
     }
 }
 
@@ -159,6 +165,7 @@ pub(crate) fn unary<B: Backend>(
             shard: f(s.shard),
             shape: s.shape,
             group: s.group,
+            tag: None,
         }),
         // Elementwise ops commute with layout ops: the view stays a view of the new shard.
         ShardTensor::View(v) => ShardTensor::View(View {
@@ -166,6 +173,7 @@ pub(crate) fn unary<B: Backend>(
                 shard: f(v.base.shard),
                 shape: v.base.shape,
                 group: v.base.group,
+                tag: None,
             },
             ops: v.ops,
             shape: v.shape,
@@ -189,6 +197,7 @@ pub(crate) fn binary<B: Backend>(
                 shard: f(a.shard, b.shard),
                 shape: a.shape,
                 group: a.group,
+                tag: None,
             })
         }
         (ShardTensor::Sharded(a), ShardTensor::Local(b)) if a.shape == b.shape() => {
@@ -197,6 +206,7 @@ pub(crate) fn binary<B: Backend>(
                 shard: f(a.shard, b.shard),
                 shape: a.shape,
                 group: a.group,
+                tag: None,
             })
         }
         (ShardTensor::Local(a), ShardTensor::Sharded(b)) if a.shape() == b.shape => {
@@ -205,6 +215,7 @@ pub(crate) fn binary<B: Backend>(
                 shard: f(a.shard, b.shard),
                 shape: b.shape,
                 group: b.group,
+                tag: None,
             })
         }
         (a, b) => ShardTensor::Local(f(local(a), local(b))),

@@ -1,0 +1,212 @@
+//! ZeRO-3 parameter prefetch: all-gathers issued ahead of use, in the order of the previous
+//! step (FSDP2 records its modules' order on the first iteration; replaying the last step's
+//! order instead also forgets one-off gathers, such as reading the weights before training).
+//!
+//! Every use of a sharded parameter gathers it (forward, and backward where autodiff saved
+//! the shard). A model's gathers come in the same order every step, and on every rank (SPMD),
+//! so from the second step on each gather can start the next ones on the model's communication
+//! queue and the compute thread finds them done, or nearly, when it gets there. Every rank
+//! takes the same decisions from the same sequence, so the queues of all ranks carry the same
+//! collectives in the same order, as they must.
+//!
+//! Staleness: a prefetch reads the shard registered for a parameter when its parameters were
+//! last marked (`shard`, or the optimizer step through `apply_marks`); an optimizer step
+//! starts by forgetting the registered shards and dropping what is in flight, so nothing
+//! gathered before a step is used after it. A parameter replaced otherwise (a plain Burn
+//! optimizer, a user's mapper) has no tag, so its gathers never use a prefetched result.
+
+use crate::account::{MemKind, waiting, with_kind};
+use crate::ops::policy::{Host, collective_failed, read, write};
+use crate::state::ModelState;
+use crate::tensor::Sharded;
+use burn_backend::distributed::DistributedParamId;
+use burn_backend::{Backend, TensorMetadata};
+use kiln_comm::{CommQueue, Work};
+use std::collections::{HashMap, VecDeque};
+
+/// A model's prefetch state.
+pub(crate) struct Prefetch<B: Backend> {
+    /// The current shard of each tagged parameter.
+    shards: HashMap<DistributedParamId, Sharded<B>>,
+    /// The gathers of the previous step, in order (a parameter used twice appears twice).
+    order: Vec<DistributedParamId>,
+    /// The gathers of this step so far.
+    recording: Vec<DistributedParamId>,
+    /// Where in `order` the last gather was.
+    pos: Option<usize>,
+    /// `order[..issued]` has been issued (or passed).
+    issued: usize,
+    in_flight: VecDeque<Gather>,
+    in_flight_bytes: usize,
+    /// Gathers of tagged parameters, and how many found their all-gather already issued.
+    pub stats: PrefetchStats,
+}
+
+/// How many parameter gathers a model made through its communication queue, and how many of
+/// them had been prefetched (see [`prefetch_stats`](crate::account::prefetch_stats)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefetchStats {
+    /// Gathers of parameters (forward and backward).
+    pub gathers: u64,
+    /// Of those, served by an all-gather issued ahead.
+    pub prefetched: u64,
+}
+
+struct Gather {
+    id: DistributedParamId,
+    bytes: usize,
+    work: Work<Host>,
+}
+
+impl<B: Backend> Default for Prefetch<B> {
+    fn default() -> Self {
+        Prefetch {
+            shards: HashMap::new(),
+            order: Vec::new(),
+            recording: Vec::new(),
+            pos: None,
+            issued: 0,
+            in_flight: VecDeque::new(),
+            in_flight_bytes: 0,
+            stats: PrefetchStats::default(),
+        }
+    }
+}
+
+impl<B: Backend> Prefetch<B> {
+    /// Registers the current shard of parameter `id` (when parameters are marked).
+    pub fn register(&mut self, id: DistributedParamId, shard: Sharded<B>) {
+        self.shards.insert(id, shard);
+    }
+
+    /// The parameters are about to change (an optimizer step): forget their shards and what
+    /// was gathered from them; this step's gathers are the next step's order.
+    pub fn invalidate(&mut self) {
+        self.shards.clear();
+        self.in_flight.clear();
+        self.in_flight_bytes = 0;
+        self.pos = None;
+        self.issued = 0;
+        if !self.recording.is_empty() {
+            self.order = std::mem::take(&mut self.recording);
+        }
+    }
+
+    /// Where `id` is gathered in `order`: the next occurrence after the last gather, else the
+    /// first (a new step, or an evaluation pass that used only part of the order).
+    fn locate(&self, id: DistributedParamId) -> Option<usize> {
+        let from = self.pos.map_or(0, |p| p + 1);
+        self.order[from..]
+            .iter()
+            .position(|&o| o == id)
+            .map(|i| from + i)
+            .or_else(|| self.order.iter().position(|&o| o == id))
+    }
+}
+
+/// The whole tensor of parameter `id`'s shard `s`, gathered through the model's queue: taken
+/// from a prefetch when one is in flight for it, and the next parameters prefetched.
+pub(crate) fn gather<B: Backend>(
+    m: &ModelState<B>,
+    queue: &CommQueue,
+    id: DistributedParamId,
+    s: &Sharded<B>,
+) -> B::FloatTensorPrimitive {
+    let device = B::float_device(&s.shard);
+    let dtype = s.shard.dtype();
+    let work = {
+        let mut p = m.prefetch();
+        let ahead = take_in_flight(&mut p, id);
+        p.stats.gathers += 1;
+        p.stats.prefetched += u64::from(ahead.is_some());
+        let work = ahead.unwrap_or_else(|| submit(queue, s));
+        // Bounded, for a model that is only ever evaluated (no step ends the recording).
+        if p.recording.len() < MAX_ORDER {
+            p.recording.push(id);
+        }
+        let before = p.pos;
+        p.pos = p.locate(id);
+        match (before, p.pos) {
+            // Back to an earlier place (the next micro-batch, an evaluation pass): what is in
+            // flight belongs to the rest of the last pass.
+            (Some(b), Some(pos)) if pos <= b => {
+                p.in_flight.clear();
+                p.in_flight_bytes = 0;
+                p.issued = pos + 1;
+            }
+            (_, Some(pos)) => p.issued = p.issued.max(pos + 1),
+            (_, None) => {}
+        }
+        if p.pos.is_some() {
+            issue_next(&mut p, queue, m.config.prefetch_bytes);
+        }
+        work
+    };
+    let full = waiting(|| work.wait())
+        .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e));
+    with_kind(MemKind::Gathered, || {
+        write::<B>(full.into_data(s.shape.clone()), &device, dtype)
+    })
+}
+
+/// The prefetch of `id` if it is in flight; earlier prefetches that were not used (the order
+/// changed, e.g. an evaluation pass) are dropped: they still run, identically on every rank.
+fn take_in_flight<B: Backend>(p: &mut Prefetch<B>, id: DistributedParamId) -> Option<Work<Host>> {
+    let at = p.in_flight.iter().position(|g| g.id == id)?;
+    for dropped in p.in_flight.drain(..at) {
+        p.in_flight_bytes -= dropped.bytes;
+    }
+    let g = p.in_flight.pop_front()?;
+    p.in_flight_bytes -= g.bytes;
+    Some(g.work)
+}
+
+/// After an optimizer step: the first gathers of the next step are issued at once, from the
+/// new shards (registered by then).
+pub(crate) fn prime<B: Backend>(m: &ModelState<B>) {
+    if let Some(queue) = &m.queue {
+        let mut p = m.prefetch();
+        p.pos = None;
+        p.issued = 0;
+        issue_next(&mut p, queue, m.config.prefetch_bytes);
+    }
+}
+
+/// The longest order recorded.
+const MAX_ORDER: usize = 1 << 20;
+
+/// Issues the gathers that follow in the order, up to `budget` bytes in flight.
+fn issue_next<B: Backend>(p: &mut Prefetch<B>, queue: &CommQueue, budget: usize) {
+    if budget == 0 {
+        return;
+    }
+    while p.issued < p.order.len() && (p.in_flight.is_empty() || p.in_flight_bytes < budget) {
+        let id = p.order[p.issued];
+        let Some(shard) = p.shards.get(&id) else {
+            // Not registered (yet): stop here rather than skip, so the order stays simple.
+            return;
+        };
+        let bytes = shard.numel() * shard.shard.dtype().size();
+        let work = submit(queue, shard);
+        p.in_flight.push_back(Gather { id, bytes, work });
+        p.in_flight_bytes += bytes;
+        p.issued += 1;
+    }
+}
+
+/// Hands the all-gather of `s` to the queue. The shard is read here (on the compute thread,
+/// which owns the inner backend's tensors); the whole buffer is made on the queue's thread,
+/// counted for this rank as a gathered parameter.
+fn submit<B: Backend>(queue: &CommQueue, s: &Sharded<B>) -> Work<Host> {
+    let host = with_kind(MemKind::Comm, || {
+        Host::from_data(read::<B>(s.shard.clone()))
+    });
+    let numel = s.numel();
+    let tag = crate::account::tag();
+    queue.submit("all-gather (prefetch)", move |g| {
+        crate::account::set_tag(tag);
+        let mut full = with_kind(MemKind::Gathered, || host.zeros(numel));
+        with_kind(MemKind::Comm, || g.all_gather(host.buf(), full.buf_mut()))?;
+        Ok(full)
+    })
+}
