@@ -151,6 +151,7 @@ declare -A impls
 
 cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
 echo "== kiln vs PyTorch: $cores core(s), $STEPS timed steps after $WARMUP, 1024 tokens per step, best of $REPEAT"
+echo "== kiln: $KILN, built $(date -r "$KILN" '+%F %T' 2>/dev/null || echo '?'), checkout $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 echo "== load average before: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || uptime)"
 if [ $have_torch = 1 ]; then
   echo "== torch $torch_version ($PYTHON)"
