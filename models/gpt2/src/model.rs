@@ -3,7 +3,7 @@
 use crate::{Gelu, Gpt2Config};
 use burn::module::{Initializer, Module};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::activation::{self, gelu, sigmoid};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use kiln_hf::{CausalLm, HfNaming, HfTensorName, causal_mask, tied_logits};
@@ -22,6 +22,29 @@ fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device)
         .init(device)
 }
 
+/// `scores + mask` for scores `[batch, heads, seq, seq]` and the mask `[1, seq * seq]`. Flex adds a
+/// broadcast operand with its SIMD kernel only when the operand is one row repeated (`[1, 1, seq,
+/// seq]` against 4-d scores walks both element by element); flattened, the mask is that row.
+fn add_mask<B: Backend>(scores: Tensor<B, 4>, mask: &Tensor<B, 2>) -> Tensor<B, 4> {
+    let shape = scores.dims();
+    let [batch, heads, rows, cols] = shape;
+    (scores.reshape([batch * heads, rows * cols]) + mask.clone()).reshape(shape)
+}
+
+/// Softmax over the last dimension of attention scores. Burn 0.21's autodiff has no softmax node of
+/// its own: it differentiates the default `exp(x - max) / sum`, whose division costs four
+/// score-sized ops backward. Multiplying by the reciprocal of the sums costs two; the backend's
+/// fused softmax serves whenever nothing is differentiated.
+fn softmax<B: Backend>(scores: Tensor<B, 4>) -> Tensor<B, 4> {
+    if !B::ad_enabled(&scores.device()) {
+        return activation::softmax(scores, 3);
+    }
+    let max = scores.clone().detach().max_dim(3);
+    let exp = (scores - max).exp();
+    let inv_sum = exp.clone().sum_dim(3).recip();
+    exp * inv_sum
+}
+
 /// Causal self-attention with fused QKV projection (`c_attn`: `[n_embd, 3 n_embd]`).
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
@@ -35,19 +58,22 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    fn forward(&self, x: Tensor<B, 3>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
+    fn forward(&self, x: Tensor<B, 3>, mask: &Tensor<B, 2>) -> Tensor<B, 3> {
         let [batch, seq, d] = x.dims();
-        let head_dim = d / self.n_head;
-        let qkv = self.c_attn.forward(x);
-        let head = |i: usize| {
-            qkv.clone()
-                .slice([0..batch, 0..seq, i * d..(i + 1) * d])
-                .reshape([batch, seq, self.n_head, head_dim])
-                .swap_dims(1, 2)
-        };
-        let (q, k, v) = (head(0), head(1), head(2));
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(self.scale) + mask.clone();
-        let out = softmax(scores, 3).matmul(v);
+        let h = self.n_head;
+        // `[batch, seq, 3d]` is contiguous, so viewing it as `[batch, 3h, seq, head_dim]` copies
+        // nothing; q, k, v are then views that the matmuls read through their strides (slicing the
+        // last dimension first would force a copy per reshape).
+        let qkv = self
+            .c_attn
+            .forward(x)
+            .reshape([batch, seq, 3 * h, d / h])
+            .swap_dims(1, 2);
+        let head = |i: usize| qkv.clone().narrow(1, i * h, h);
+        // Scaling q (`seq x head_dim`) is cheaper than scaling the scores (`seq x seq`).
+        let q = head(0).mul_scalar(self.scale);
+        let scores = add_mask(q.matmul(head(1).swap_dims(2, 3)), mask);
+        let out = softmax(scores).matmul(head(2));
         self.c_proj
             .forward(out.swap_dims(1, 2).reshape([batch, seq, d]))
     }
@@ -63,14 +89,21 @@ pub struct Mlp<B: Backend> {
     tanh_gelu: bool,
 }
 
-/// HF `gelu_new`, in its order of operations: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³)))`.
-/// (Burn's `gelu_approximate` computes `x³` with `powf`, which is undefined for negative `x` on
-/// some backends.)
+/// HF `gelu_new`, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³)))`, written as
+/// `x sigmoid(2 sqrt(2/pi) x (1 + 0.044715 x²))` (the same function: `(1 + tanh(z)) / 2 =
+/// sigmoid(2z)`): six ops instead of nine, and sigmoid, whose backward is fused, costs an `exp` where
+/// `tanh` costs libm's much slower `tanhf`. (Burn's `gelu_approximate` computes `x³` with `powf`,
+/// which is undefined for negative `x` on some backends.)
 fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let cube = x.clone() * x.clone() * x.clone();
-    let inner =
-        (x.clone() + cube.mul_scalar(0.044715)).mul_scalar((2.0 / std::f64::consts::PI).sqrt());
-    x.mul_scalar(0.5) * (inner.tanh() + 1.0)
+    const TWICE_SQRT_2_OVER_PI: f64 =
+        2.0 * core::f64::consts::FRAC_2_SQRT_PI * core::f64::consts::FRAC_1_SQRT_2;
+    let z = x
+        .clone()
+        .square()
+        .mul_scalar(TWICE_SQRT_2_OVER_PI * 0.044715)
+        .add_scalar(TWICE_SQRT_2_OVER_PI)
+        * x.clone();
+    x * sigmoid(z)
 }
 
 impl<B: Backend> Mlp<B> {
@@ -99,7 +132,7 @@ pub struct Block<B: Backend> {
 }
 
 impl<B: Backend> Block<B> {
-    fn forward(&self, x: Tensor<B, 3>, mask: &Tensor<B, 4>) -> Tensor<B, 3> {
+    fn forward(&self, x: Tensor<B, 3>, mask: &Tensor<B, 2>) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(self.ln_1.forward(x), mask);
         x.clone() + self.mlp.forward(self.ln_2.forward(x))
     }
@@ -199,7 +232,7 @@ impl<B: Backend> Gpt2<B> {
     /// # Panics
     /// If `seq` exceeds `n_positions`.
     pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let [_, seq] = input_ids.dims();
+        let [batch, seq] = input_ids.dims();
         assert!(
             seq <= self.n_positions,
             "GPT-2 forward: sequence length {seq} exceeds n_positions({})",
@@ -208,8 +241,13 @@ impl<B: Backend> Gpt2<B> {
         let device = input_ids.device();
         let t = &self.transformer;
         let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &device).reshape([1, seq]);
-        let mut x = t.wte.forward(input_ids) + t.wpe.forward(positions);
-        let mask = causal_mask(seq, &device);
+        // Flattened, the positions are one row added to every sequence: Flex's SIMD broadcast
+        // (`[1, seq, d]` against `[batch, seq, d]` walks both element by element).
+        let d = t.wpe.weight.dims()[1];
+        let mut x = (t.wte.forward(input_ids).reshape([batch, seq * d])
+            + t.wpe.forward(positions).reshape([1, seq * d]))
+        .reshape([batch, seq, d]);
+        let mask = causal_mask::<B>(seq, &device).reshape([1, seq * seq]);
         for block in &t.h {
             x = block.forward(x, &mask);
         }
