@@ -3,7 +3,7 @@
 use crate::LlamaConfig;
 use burn::module::{Initializer, Module};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::{self, silu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln_hf::{CausalLm, HfNaming, HfTensorName, causal_mask, tied_logits};
@@ -28,11 +28,15 @@ fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device)
 pub struct Rope {
     theta: f64,
     head_dim: usize,
+    /// Query heads.
+    heads: usize,
+    /// Key/value heads.
+    kv_heads: usize,
 }
 
 impl Rope {
-    /// `(cos, sin)`, each `[1, 1, seq, head_dim]`.
-    fn tables<B: Backend>(&self, seq: usize, device: &B::Device) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    /// `(cos, sin)` for positions `0..seq`, each `seq * head_dim` values, position-major.
+    fn angles(&self, seq: usize) -> (Vec<f64>, Vec<f64>) {
         let half = self.head_dim / 2;
         let theta = self.theta as f32;
         let inv_freq: Vec<f32> = (0..half)
@@ -42,26 +46,102 @@ impl Rope {
         let mut sin = Vec::with_capacity(seq * self.head_dim);
         for pos in 0..seq {
             for j in 0..self.head_dim {
-                let angle = pos as f32 * inv_freq[j % half];
-                cos.push(f64::from(angle).cos() as f32);
-                sin.push(f64::from(angle).sin() as f32);
+                let angle = f64::from(pos as f32 * inv_freq[j % half]);
+                cos.push(angle.cos());
+                sin.push(angle.sin());
             }
         }
-        let shape = [1, 1, seq, self.head_dim];
-        (
-            Tensor::from_data(TensorData::new(cos, shape), device),
-            Tensor::from_data(TensorData::new(sin, shape), device),
-        )
+        (cos, sin)
     }
 
-    /// `x * cos + rotate_half(x) * sin` for `x` `[batch, heads, seq, head_dim]`.
-    fn apply<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
-        let [b, h, t, d] = x.dims();
-        let x1 = x.clone().slice([0..b, 0..h, 0..t, 0..d / 2]);
-        let x2 = x.clone().slice([0..b, 0..h, 0..t, d / 2..d]);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        x * cos.clone() + rotated * sin.clone()
+    /// The tables for a projection of `heads` heads, its outputs then multiplied by `scale`.
+    fn tables<B: Backend>(
+        &self,
+        (cos, sin): &(Vec<f64>, Vec<f64>),
+        heads: usize,
+        scale: f64,
+        device: &B::Device,
+    ) -> RopeTables<B> {
+        let d = self.head_dim;
+        let seq = cos.len() / d;
+        // Position-major, then head, as the projection's `[batch, seq, heads * head_dim]`.
+        let row = |table: &[f64]| {
+            let mut values = Vec::with_capacity(seq * heads * d);
+            for position in table.chunks(d) {
+                for _ in 0..heads {
+                    values.extend(position.iter().map(|&v| (v * scale) as f32));
+                }
+            }
+            Tensor::from_data(TensorData::new(values, [1, seq * heads * d]), device)
+        };
+        // `x · R = rotate_half(x) = cat(-x2, x1)`: a signed permutation.
+        let half = d / 2;
+        let mut rotation = vec![0f32; d * d];
+        for j in 0..half {
+            rotation[(j + half) * d + j] = -1.0;
+            rotation[j * d + j + half] = 1.0;
+        }
+        RopeTables {
+            cos: row(cos),
+            sin: row(sin),
+            rotation: Tensor::from_data(TensorData::new(rotation, [d, d]), device),
+            head_dim: d,
+        }
     }
+}
+
+/// One forward's RoPE for one projection: `scale (x cos + rotate_half(x) sin)`.
+///
+/// Applied to the projection's contiguous `[batch, seq, heads * head_dim]` output, before the heads
+/// are split: with cos and sin repeated over the heads and flattened to one row, both products run
+/// as Flex's SIMD row broadcast (`[1, 1, seq, head_dim]` against transposed heads walks them
+/// element by element, after a copy). `rotate_half` is one small matmul by a signed permutation
+/// (exact: one product per output, the rest zeros) in place of two slices, a negation and a cat,
+/// whose backward would allocate and fill full-size zeros per slice. The attention scale is folded
+/// into the tables (exact when it is a power of two, as for head sizes 4, 16, 64, 256).
+struct RopeTables<B: Backend> {
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    rotation: Tensor<B, 2>,
+    head_dim: usize,
+}
+
+impl<B: Backend> RopeTables<B> {
+    fn apply(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let shape = x.dims();
+        let [batch, seq, width] = shape;
+        let d = self.head_dim;
+        let rotated = x
+            .clone()
+            .reshape([batch * seq * width / d, d])
+            .matmul(self.rotation.clone())
+            .reshape([batch, seq * width]);
+        (x.reshape([batch, seq * width]) * self.cos.clone() + rotated * self.sin.clone())
+            .reshape(shape)
+    }
+}
+
+/// `scores + mask` for scores `[batch, heads, seq, seq]` and the mask `[1, seq * seq]`. Flex adds a
+/// broadcast operand with its SIMD kernel only when the operand is one row repeated (`[1, 1, seq,
+/// seq]` against 4-d scores walks both element by element); flattened, the mask is that row.
+fn add_mask<B: Backend>(scores: Tensor<B, 4>, mask: &Tensor<B, 2>) -> Tensor<B, 4> {
+    let shape = scores.dims();
+    let [batch, heads, rows, cols] = shape;
+    (scores.reshape([batch * heads, rows * cols]) + mask.clone()).reshape(shape)
+}
+
+/// Softmax over the last dimension of attention scores. Burn 0.21's autodiff has no softmax node of
+/// its own: it differentiates the default `exp(x - max) / sum`, whose division costs four
+/// score-sized ops backward. Multiplying by the reciprocal of the sums costs two; the backend's
+/// fused softmax serves whenever nothing is differentiated.
+fn softmax<B: Backend>(scores: Tensor<B, 4>) -> Tensor<B, 4> {
+    if !B::ad_enabled(&scores.device()) {
+        return activation::softmax(scores, 3);
+    }
+    let max = scores.clone().detach().max_dim(3);
+    let exp = (scores - max).exp();
+    let inv_sum = exp.clone().sum_dim(3).recip();
+    exp * inv_sum
 }
 
 /// Grouped-query self-attention with rotary positions.
@@ -84,36 +164,47 @@ impl<B: Backend> Attention<B> {
     fn forward(
         &self,
         x: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
-        mask: &Tensor<B, 4>,
+        rope: &AttentionRope<B>,
+        mask: &Tensor<B, 2>,
     ) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
         let (h, kv, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let group = h / kv;
+        // Views: the matmuls read the transposed heads through their strides.
         let split =
             |t: Tensor<B, 3>, heads: usize| t.reshape([batch, seq, heads, d]).swap_dims(1, 2);
-        let q = Rope::apply(split(self.q_proj.forward(x.clone()), h), cos, sin);
-        let k = Rope::apply(split(self.k_proj.forward(x.clone()), kv), cos, sin);
+        let q = split(rope.q.apply(self.q_proj.forward(x.clone())), h);
+        let k = split(rope.k.apply(self.k_proj.forward(x.clone())), kv);
         let v = split(self.v_proj.forward(x), kv);
-        // Query head i reads key/value head i / (h / kv), as transformers' `repeat_kv`.
-        let repeat = |t: Tensor<B, 4>| {
-            if h == kv {
-                t
-            } else {
-                t.unsqueeze_dim::<5>(2)
-                    .repeat_dim(2, h / kv)
-                    .reshape([batch, h, seq, d])
-            }
+        let scores = if group == 1 {
+            q.matmul(k.swap_dims(2, 3))
+        } else {
+            // Query head i reads key/value head i / group (transformers' `repeat_kv`). A key/value
+            // head's `group` query heads are adjacent: as `[batch, kv, group * seq, d]` (one copy of
+            // q) one matmul per key/value head serves its whole group, and keys and values are
+            // never repeated.
+            q.reshape([batch, kv, group * seq, d])
+                .matmul(k.swap_dims(2, 3))
+                .reshape([batch, h, seq, seq])
         };
-        let (k, v) = (repeat(k), repeat(v));
-        let scores = q
-            .matmul(k.swap_dims(2, 3))
-            .mul_scalar(1.0 / (d as f64).sqrt())
-            + mask.clone();
-        let out = softmax(scores, 3).matmul(v);
+        let probs = softmax(add_mask(scores, mask));
+        let out = if group == 1 {
+            probs.matmul(v)
+        } else {
+            probs
+                .reshape([batch, kv, group * seq, seq])
+                .matmul(v)
+                .reshape([batch, h, seq, d])
+        };
         self.o_proj
             .forward(out.swap_dims(1, 2).reshape([batch, seq, h * d]))
     }
+}
+
+/// One forward's RoPE tables for queries (with the attention scale) and keys.
+struct AttentionRope<B: Backend> {
+    q: RopeTables<B>,
+    k: RopeTables<B>,
 }
 
 /// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.
@@ -216,6 +307,8 @@ impl LlamaConfig {
                 rope: Rope {
                     theta: self.theta(),
                     head_dim: d,
+                    heads: h,
+                    kv_heads: kv,
                 },
             },
             lm_head: (!self.tie_word_embeddings)
@@ -232,16 +325,23 @@ impl<B: Backend> Llama<B> {
         let [_, seq] = input_ids.dims();
         let device = input_ids.device();
         let m = &self.model;
-        let (cos, sin) = m.rope.tables::<B>(seq, &device);
-        let mask = causal_mask(seq, &device);
+        let angles = m.rope.angles(seq);
+        let rope = AttentionRope {
+            q: m.rope.tables(
+                &angles,
+                m.rope.heads,
+                1.0 / (m.rope.head_dim as f64).sqrt(),
+                &device,
+            ),
+            k: m.rope.tables(&angles, m.rope.kv_heads, 1.0, &device),
+        };
+        let mask = causal_mask::<B>(seq, &device).reshape([1, seq * seq]);
         let mut x = m.embed_tokens.forward(input_ids);
         for layer in &m.layers {
-            let attn = layer.self_attn.forward(
-                layer.input_layernorm.forward(x.clone()),
-                &cos,
-                &sin,
-                &mask,
-            );
+            let attn =
+                layer
+                    .self_attn
+                    .forward(layer.input_layernorm.forward(x.clone()), &rope, &mask);
             x = x + attn;
             x = x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x));
         }
