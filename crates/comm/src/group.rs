@@ -592,25 +592,33 @@ fn recv_error(op: OpContext, peer: usize, timeout: Duration, e: RecvError) -> Co
 /// every other directly, one message per peer, instead of a ring's 2 (N-1) steps.
 const DIRECT_BYTES: usize = 64 << 10;
 
-/// A ring step's chunk travels in pieces of this size, so the receiver reduces piece k while
-/// piece k+1 is on the wire (and in cache), instead of waiting for the whole chunk.
+/// A ring step's chunk travels in pieces of at least this size, so the receiver reduces
+/// piece k while piece k+1 is on the wire (and in cache), instead of waiting for the whole
+/// chunk.
 const PIECE_BYTES: usize = 128 << 10;
+/// The largest piece size [`piece_bytes`] picks.
+const MAX_PIECE_BYTES: usize = 1 << 20;
 
-fn piece_elems<T>() -> usize {
-    (piece_bytes() / std::mem::size_of::<T>()).max(1)
+fn piece_elems<T>(world: usize) -> usize {
+    (piece_bytes(world) / std::mem::size_of::<T>()).max(1)
 }
 
-/// [`PIECE_BYTES`], or `KILN_COMM_PIECE_KIB` for tuning. Ranks need not agree on it: a
-/// receiver takes pieces of any size.
-fn piece_bytes() -> usize {
-    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
+/// The piece size for a group of `world` ranks: [`PIECE_BYTES`] times (world/2)^2, at most
+/// [`MAX_PIECE_BYTES`]. Each piece costs a wake-up per hop, and larger groups on one machine
+/// put more threads on each core (every rank runs a receiver). Measured on 2 cores over
+/// loopback: 128 KiB pieces best at N = 2, 512 KiB at N = 4. `KILN_COMM_PIECE_KIB` overrides
+/// it, for tuning; ranks need not agree on it, since a receiver takes pieces of any size.
+fn piece_bytes(world: usize) -> usize {
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *OVERRIDE.get_or_init(|| {
         std::env::var("KILN_COMM_PIECE_KIB")
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok())
             .filter(|&k| k > 0)
-            .map_or(PIECE_BYTES, |k| k << 10)
-    })
+            .map(|k| k << 10)
+    });
+    let half = (world / 2).max(1);
+    forced.unwrap_or_else(|| (PIECE_BYTES * half * half).min(MAX_PIECE_BYTES))
 }
 
 /// Small all-reduce: every rank sends its buffer to every other and reduces all N buffers
@@ -781,7 +789,7 @@ fn ring_step<T: Element>(
     recv: Range<usize>,
     mut land: impl FnMut(&mut [T], usize, &[T]),
 ) -> Result<()> {
-    let mut outgoing = Outgoing::new(src, (right, step));
+    let mut outgoing = Outgoing::new(src, (right, step), o.core.world_size());
     outgoing.send_next(o, out)?;
     let mut got = 0;
     loop {
@@ -808,14 +816,14 @@ struct Outgoing<'s, T> {
 }
 
 impl<'s, T: Element> Outgoing<'s, T> {
-    fn new(src: Src<'s, T>, (peer, step): (usize, usize)) -> Self {
+    fn new(src: Src<'s, T>, (peer, step): (usize, usize), world: usize) -> Self {
         let len = match &src {
             Src::Out(range) => range.len(),
             Src::Other(s) => s.len(),
         };
         Outgoing {
             src,
-            pieces: Pieces::new(len, piece_elems::<T>()),
+            pieces: Pieces::new(len, piece_elems::<T>(world)),
             peer,
             step,
         }
@@ -837,7 +845,7 @@ impl<'s, T: Element> Outgoing<'s, T> {
 
 /// Sends `data` to `peer` in pieces.
 fn send_pieces<T: Element>(o: &mut Op<'_>, peer: usize, step: usize, data: &[T]) -> Result<()> {
-    for p in Pieces::new(data.len(), piece_elems::<T>()) {
+    for p in Pieces::new(data.len(), piece_elems::<T>(o.core.world_size())) {
         o.send(peer, step, &data[p])?;
     }
     Ok(())
@@ -1092,7 +1100,7 @@ mod tests {
 
     /// Several pieces per chunk, and chunks whose lengths differ by one element.
     fn long_len<T>(n: usize) -> usize {
-        n * 2 * piece_elems::<T>() + 7
+        n * 2 * piece_elems::<T>(n) + 7
     }
 
     fn value(rank: usize, i: usize) -> i64 {
