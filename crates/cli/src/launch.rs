@@ -30,9 +30,37 @@ pub struct LaunchArgs {
     /// Seconds the other ranks get to exit after one fails, before they are killed.
     #[arg(long, default_value_t = 5.0)]
     pub grace: f64,
+    /// Compute threads per rank (Burn's CPU kernels: RAYON_NUM_THREADS, and OMP_NUM_THREADS).
+    /// Default: this node's cores divided among its ranks (at least 1), so that ranks do not
+    /// oversubscribe the cores; a RAYON_NUM_THREADS already set is kept.
+    #[arg(long)]
+    pub threads_per_rank: Option<usize>,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
+}
+
+/// Compute threads per rank: `--threads-per-rank`, else a RAYON_NUM_THREADS the user set,
+/// else the node's cores shared among its ranks.
+fn threads_per_rank(
+    flag: Option<usize>,
+    env: Option<&str>,
+    cores: usize,
+    ranks: usize,
+) -> Result<usize> {
+    if let Some(n) = flag {
+        if n == 0 {
+            bail!("--threads-per-rank must be at least 1");
+        }
+        return Ok(n);
+    }
+    if let Some(v) = env.filter(|v| !v.trim().is_empty()) {
+        return match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => bail!("RAYON_NUM_THREADS={v:?} is not a positive number of threads"),
+        };
+    }
+    Ok((cores / ranks.max(1)).max(1))
 }
 
 /// Signals received by the launcher, forwarded to the ranks.
@@ -195,6 +223,13 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
 
+    let threads = threads_per_rank(
+        args.threads_per_rank,
+        std::env::var("RAYON_NUM_THREADS").ok().as_deref(),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        args.nproc_per_node,
+    )?;
+
     let mut ranks = Vec::with_capacity(args.nproc_per_node);
     let mut pumps = Vec::new();
     for local in 0..args.nproc_per_node {
@@ -208,6 +243,8 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
             .env("GROUP_RANK", args.node_rank.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
+            .env("RAYON_NUM_THREADS", threads.to_string())
+            .env("OMP_NUM_THREADS", threads.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -312,5 +349,21 @@ fn stop_all(ranks: &mut [Rank], grace: f64) {
             return;
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::threads_per_rank;
+
+    #[test]
+    fn ranks_share_the_cores_unless_told_otherwise() {
+        assert_eq!(threads_per_rank(None, None, 16, 4).unwrap(), 4);
+        assert_eq!(threads_per_rank(None, None, 2, 4).unwrap(), 1);
+        assert_eq!(threads_per_rank(None, Some("3"), 16, 4).unwrap(), 3);
+        assert_eq!(threads_per_rank(Some(2), Some("3"), 16, 4).unwrap(), 2);
+        let err = threads_per_rank(None, Some("many"), 16, 4).unwrap_err();
+        assert!(err.to_string().contains("RAYON_NUM_THREADS"), "{err}");
+        assert!(threads_per_rank(Some(0), None, 16, 4).is_err());
     }
 }

@@ -157,6 +157,11 @@ pub struct ParallelRecipe {
     /// measuring what overlap hides; the numbers are the same).
     #[serde(default = "yes")]
     pub overlap: bool,
+    /// Gradients are reduced in buckets of this many KiB (0: a quarter of the model's
+    /// parameter bytes, between 256 KiB and 25 MiB, so that even a small model's reduction
+    /// starts during backward).
+    #[serde(default)]
+    pub bucket_kib: usize,
 }
 
 fn yes() -> bool {
@@ -171,6 +176,7 @@ impl Default for ParallelRecipe {
             world_size: 0,
             backend: "tcp".into(),
             overlap: true,
+            bucket_kib: 0,
         }
     }
 }

@@ -240,7 +240,13 @@ where
 
     let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len)?;
     let model = M::from_config(&config, device);
-    let shard_config = ShardConfig::new(strategy).with_overlap(recipe.parallel.overlap);
+    let bucket_bytes = match recipe.parallel.bucket_kib {
+        0 => (model.num_params() * 4 / 4).clamp(256 << 10, 25 << 20),
+        kib => kib << 10,
+    };
+    let shard_config = ShardConfig::new(strategy)
+        .with_overlap(recipe.parallel.overlap)
+        .with_bucket_bytes(bucket_bytes);
     let model: M = kiln_shard::shard(model, group.clone(), shard_config)?;
     let optim_config = AdamWConfig::new()
         .with_beta_1(t.beta1 as f32)
