@@ -4,7 +4,7 @@
 //! or alone with `--ranks N` (ranks are threads).
 
 use anyhow::{Result, bail};
-use kiln_comm::{GroupOptions, LocalGroup, ProcessGroup, TcpGroup};
+use kiln_comm::{DeviceSharing, GroupOptions, LocalGroup, ProcessGroup, TcpGroup};
 use kiln_shard::Strategy;
 use kiln_shard::check::{Errors, Mlp, Options, train, with_values};
 use std::sync::Arc;
@@ -62,7 +62,7 @@ fn on_device(
     args: &ShardCheckArgs,
     strategy: Strategy,
     opts: Options,
-    local_rank: usize,
+    slot: (usize, usize, DeviceSharing),
 ) -> Result<Errors> {
     match args.device.as_str() {
         "cpu" => run_rank::<burn::backend::Flex>(
@@ -74,7 +74,9 @@ fn on_device(
         ),
         #[cfg(feature = "cuda")]
         "cuda" => {
-            let device = burn::backend::cuda::CudaDevice::new(local_rank);
+            let (local_rank, local_world_size, sharing) = slot;
+            let ordinal = kiln_comm::choose_cuda_device(local_rank, local_world_size, sharing)?;
+            let device = burn::backend::cuda::CudaDevice::new(ordinal);
             // The GPU's single-device run against the CPU's, before the sharded comparison.
             let gpu = train::<kiln::Cuda, _>(Mlp::new(&device), None, strategy, opts, &device)?;
             let cpu_device = Default::default();
@@ -98,7 +100,7 @@ fn on_device(
             run_rank::<kiln::Cuda>(group, strategy, opts, &device, args.init == "burn")
         }
         other => {
-            let _ = local_rank;
+            let _ = slot;
             bail!("device '{other}' is not built in (cpu; cuda needs `--features cuda`)")
         }
     }
@@ -137,12 +139,24 @@ pub fn shard_check(args: &ShardCheckArgs) -> Result<bool> {
             }
         };
         let (rank, world) = (group.rank(), group.world_size());
-        let errors = on_device(group, args, strategy, opts, env.local_rank)?;
+        // (local rank, ranks on the node, sharing): NCCL allows one rank per GPU.
+        let slot = (
+            env.local_rank,
+            env.local_world_size,
+            if group.backend() == "nccl" {
+                DeviceSharing::Exclusive
+            } else {
+                DeviceSharing::RoundRobin
+            },
+        );
+        let errors = on_device(group, args, strategy, opts, slot)?;
         return Ok(report(rank, world, &errors));
     }
     let results = kiln_comm::spawn_ranks(args.ranks, |g: LocalGroup| {
         let (rank, world) = (g.rank(), g.world_size());
-        on_device(Arc::new(g), args, strategy, opts, rank).map(|e| (rank, world, e))
+        // Threads exchange through host memory: on fewer GPUs than ranks they share.
+        let slot = (rank, world, DeviceSharing::RoundRobin);
+        on_device(Arc::new(g), args, strategy, opts, slot).map(|e| (rank, world, e))
     });
     let mut all_ok = true;
     for r in results {

@@ -2,7 +2,7 @@
 
 use crate::progress::Console;
 use anyhow::{Result, bail};
-use kiln_comm::{GroupOptions, ProcessGroup, TcpGroup};
+use kiln_comm::{DeviceSharing, GroupOptions, ProcessGroup, TcpGroup};
 use kiln_train::{Recipe, RunOptions, train_rank_with};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -94,13 +94,22 @@ fn quote(s: String) -> String {
     format!("{:?}", s)
 }
 
+/// Where a rank sits on its node, for choosing its GPU (`kiln_comm::cuda_ordinal`).
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Slot {
+    local_rank: usize,
+    local_world_size: usize,
+    sharing: DeviceSharing,
+}
+
 fn rank_on_device(
     recipe: &Recipe,
     group: Arc<dyn ProcessGroup>,
     launched: bool,
     options: RunOptions,
     device: &str,
-    local_rank: usize,
+    slot: Slot,
 ) -> kiln_train::Result<kiln_train::Summary> {
     // Rank 0 prints the run's progress and summary; the other ranks' consoles stay unused.
     let console = &mut Console::new();
@@ -115,11 +124,16 @@ fn rank_on_device(
         ),
         #[cfg(feature = "cuda")]
         "cuda" => {
-            let device = burn::backend::cuda::CudaDevice::new(local_rank);
+            let ordinal = kiln_comm::choose_cuda_device(
+                slot.local_rank,
+                slot.local_world_size,
+                slot.sharing,
+            )?;
+            let device = burn::backend::cuda::CudaDevice::new(ordinal);
             train_rank_with::<kiln::Cuda>(recipe, group, launched, options, &device, console)
         }
         other => {
-            let _ = local_rank;
+            let _ = slot;
             Err(kiln_train::TrainError::Recipe(format!(
                 "device '{other}' is not built in (cpu; cuda needs `--features cuda`)"
             )))
@@ -151,7 +165,18 @@ pub fn train(args: &TrainArgs) -> Result<()> {
                 "parallel.backend '{other}' is not built in (tcp; nccl needs `--features nccl`)"
             ),
         };
-        rank_on_device(&recipe, group, true, options, &args.device, env.local_rank)?;
+        // NCCL allows one rank per GPU; ranks over TCP may share one.
+        let sharing = if group.backend() == "nccl" {
+            DeviceSharing::Exclusive
+        } else {
+            DeviceSharing::RoundRobin
+        };
+        let slot = Slot {
+            local_rank: env.local_rank,
+            local_world_size: env.local_world_size,
+            sharing,
+        };
+        rank_on_device(&recipe, group, true, options, &args.device, slot)?;
         return Ok(());
     }
     let ranks = recipe.parallel.ranks;
@@ -160,8 +185,13 @@ pub fn train(args: &TrainArgs) -> Result<()> {
     }
     recipe.check_world(ranks, false)?;
     let results = kiln_comm::spawn_ranks(ranks, |g: kiln_comm::LocalGroup| {
-        let rank = g.rank();
-        rank_on_device(&recipe, Arc::new(g), false, options, &args.device, rank)
+        // Threads exchange through host memory: on fewer GPUs than ranks they share.
+        let slot = Slot {
+            local_rank: g.rank(),
+            local_world_size: ranks,
+            sharing: DeviceSharing::RoundRobin,
+        };
+        rank_on_device(&recipe, Arc::new(g), false, options, &args.device, slot)
     });
     kiln_train::rank_zero_or_root_cause(results)?;
     Ok(())

@@ -756,10 +756,11 @@ impl NcclGroup {
         s.device_ptr(&self.stream).0
     }
 
-    /// All-reduces `len` elements of `dtype` in place at `buf`, on this group's GPU.
+    /// All-reduces `len` elements of `dtype` at `input` into `output` (the same pointer for in
+    /// place), on this group's GPU.
     ///
     /// # Safety
-    /// `buf` must point to `len` elements of `dtype` in device memory of this group's GPU
+    /// `input` and `output` must each point to `len` elements of `dtype` in device memory of this group's GPU
     /// ([`NcclGroup::device_ordinal`]), valid until this returns, and the work that wrote them
     /// must be complete (synchronise the producer, e.g. `B::sync(device)`, first): NCCL runs
     /// on this group's [`stream`](NcclGroup::stream), unordered with other streams. The result
@@ -769,7 +770,8 @@ impl NcclGroup {
     /// As [`ProcessGroup::all_reduce`].
     pub unsafe fn all_reduce_raw(
         &self,
-        buf: CUdeviceptr,
+        input: CUdeviceptr,
+        output: CUdeviceptr,
         len: usize,
         dtype: DType,
         op: ReduceOp,
@@ -784,8 +786,8 @@ impl NcclGroup {
                     // SAFETY: the caller's contract.
                     let r = unsafe {
                         ns::ncclAllReduce(
-                            buf as *const c_void,
-                            buf as *mut c_void,
+                            input as *const c_void,
+                            output as *mut c_void,
                             len,
                             nccl_dtype(dtype),
                             nccl_op(op),
@@ -888,7 +890,8 @@ impl NcclGroup {
         Ok(())
     }
 
-    /// Broadcasts `len` elements at `buf` from rank `root`, in place.
+    /// Broadcasts `len` elements from rank `root`: root's `input` into every rank's `output`
+    /// (the same pointer for in place; `input` is read on root only).
     ///
     /// # Safety
     /// As [`NcclGroup::all_reduce_raw`].
@@ -897,7 +900,8 @@ impl NcclGroup {
     /// As [`ProcessGroup::broadcast`]; a `root` outside the group.
     pub unsafe fn broadcast_raw(
         &self,
-        buf: CUdeviceptr,
+        input: CUdeviceptr,
+        output: CUdeviceptr,
         len: usize,
         dtype: DType,
         root: usize,
@@ -916,8 +920,8 @@ impl NcclGroup {
                 // SAFETY: the caller's contract.
                 let r = unsafe {
                     ns::ncclBroadcast(
-                        buf as *const c_void,
-                        buf as *mut c_void,
+                        input as *const c_void,
+                        output as *mut c_void,
                         len,
                         nccl_dtype(dtype),
                         root as c_int,
@@ -1051,9 +1055,10 @@ impl NcclGroup {
         op: ReduceOp,
     ) -> Result<()> {
         self.check_device(buf)?;
+        let p = self.ptr(buf);
         // SAFETY: a live allocation of `buf.len()` elements on this GPU; work on it from other
         // streams is ordered by `device_ptr`'s events.
-        unsafe { self.all_reduce_raw(self.ptr(buf), buf.len(), T::DTYPE, op) }
+        unsafe { self.all_reduce_raw(p, p, buf.len(), T::DTYPE, op) }
     }
 
     /// All-gathers equal device shards: `output.len() == input.len() * world_size`.
@@ -1107,8 +1112,9 @@ impl NcclGroup {
         root: usize,
     ) -> Result<()> {
         self.check_device(buf)?;
+        let p = self.ptr(buf);
         // SAFETY: as in `all_reduce_device`.
-        unsafe { self.broadcast_raw(self.ptr(buf), buf.len(), T::DTYPE, root) }
+        unsafe { self.broadcast_raw(p, p, buf.len(), T::DTYPE, root) }
     }
 
     fn check_device<T>(&self, s: &CudaSlice<T>) -> Result<()> {
@@ -1193,8 +1199,9 @@ impl NcclGroup {
         op: ReduceOp,
     ) -> Result<()> {
         let d = self.upload(buf)?;
+        let p = self.raw(&d);
         // SAFETY: `d` holds `buf.len()` elements on this GPU (or nothing, for zero).
-        unsafe { self.all_reduce_raw(self.raw(&d), buf.len(), T::DTYPE, op)? };
+        unsafe { self.all_reduce_raw(p, p, buf.len(), T::DTYPE, op)? };
         if !buf.is_empty() {
             buf.copy_from_slice(&self.download(&d, buf.len())?);
         }
@@ -1272,8 +1279,9 @@ impl NcclGroup {
         root: usize,
     ) -> Result<()> {
         let d = self.upload(buf)?;
+        let p = self.raw(&d);
         // SAFETY: `buf.len()` elements on this GPU (or nothing, for zero).
-        unsafe { self.broadcast_raw(self.raw(&d), buf.len(), T::DTYPE, root)? };
+        unsafe { self.broadcast_raw(p, p, buf.len(), T::DTYPE, root)? };
         if !buf.is_empty() {
             buf.copy_from_slice(&self.download(&d, buf.len())?);
         }

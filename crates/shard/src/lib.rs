@@ -27,6 +27,8 @@ pub mod check;
 mod hook;
 mod ops;
 mod optim;
+#[cfg(feature = "cuda")]
+pub mod device;
 mod prefetch;
 pub mod pieces;
 mod state;
