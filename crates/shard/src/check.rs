@@ -6,15 +6,13 @@
 //! reference on the whole batch with no sharding (the decorator then only forwards). The losses
 //! and final parameters must agree to float tolerance.
 
-use crate::{
-    Shard, ShardConfig, ShardError, ShardedOptimizer, Strategy, clip_grad_norm, gather_model, shard,
-};
+use crate::{Shard, ShardConfig, ShardError, ShardedOptimizer, Strategy, gather_model, shard};
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::nn::{Linear, Relu};
-use burn::optim::{AdamWConfig, GradientsAccumulator, Optimizer};
+use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use kiln_comm::{ProcessGroup, ReduceOp};
 use std::sync::Arc;
 
@@ -241,36 +239,26 @@ pub fn train<B: Backend, M: ParityModel<B>>(
             .init::<Train<B>, M>(),
     );
     let mut losses = Vec::new();
+    let config = crate::StepConfig {
+        accumulate: opts.accumulate,
+        no_sync: opts.no_sync && group.is_some(),
+        clip: opts.clip,
+    };
     for step in 0..opts.steps {
-        let mut acc = GradientsAccumulator::<M>::new();
-        let mut step_loss = 0.0;
         let micro = local / opts.accumulate;
-        for m in 0..opts.accumulate {
+        let (stepped, stats) = crate::step(model, &mut optim, 1e-2, &config, |model, m| {
             let start = rank * local + m * micro;
             let (x, y) = data::<Train<B>>(width, start..start + micro, step, device);
-            let loss = model.loss(x, y).div_scalar(opts.accumulate as f64);
-            step_loss += loss.clone().into_scalar().elem::<f64>();
-            let grads = if opts.no_sync {
-                crate::no_sync(&model, || crate::backward(loss, &model))
-            } else {
-                crate::backward(loss, &model)
-            };
-            acc.accumulate(&model, grads);
-        }
-        let mut grads = acc.grads();
-        if opts.no_sync && group.is_some() {
-            grads = crate::reduce_gradients(&model, grads);
-        }
-        if let Some(max) = opts.clip {
-            grads = clip_grad_norm(&model, grads, max).0;
-        }
+            model.loss(x, y).div_scalar(opts.accumulate as f64)
+        });
+        model = stepped;
+        let mut step_loss = stats.loss;
         if let Some(g) = &group {
             let mut v = [step_loss as f32];
             g.all_reduce((&mut v[..]).into(), ReduceOp::Avg)?;
             step_loss = f64::from(v[0]);
         }
         losses.push(step_loss);
-        model = optim.step(1e-2, model, grads);
     }
     let traffic = crate::account::comm_stats(&model)
         .unwrap_or_default()

@@ -24,14 +24,15 @@
 pub mod account;
 mod backend;
 pub mod check;
+#[cfg(feature = "cuda")]
+pub mod device;
 mod hook;
 mod ops;
 mod optim;
-#[cfg(feature = "cuda")]
-pub mod device;
-mod prefetch;
 pub mod pieces;
+mod prefetch;
 mod state;
+mod step;
 mod strategy;
 mod sync;
 mod tensor;
@@ -40,6 +41,7 @@ pub use backend::Shard;
 pub use optim::{ShardedOptimizer, clip_grad_norm};
 pub use prefetch::PrefetchStats;
 pub use state::{InitSync, ShardConfig, ShardError, Strategy, local_reads};
+pub use step::{StepConfig, StepStats, step};
 pub use strategy::{
     backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release, remark,
     shard,

@@ -21,9 +21,7 @@ use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
-use burn::optim::{
-    AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, Optimizer,
-};
+use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::prelude::ElementConversion;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorMetadata};
@@ -32,7 +30,7 @@ use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
 use kiln_hf::{CausalLm, GenerateConfig, Pretrained, Sampling, causal_lm_loss, generate};
 use kiln_shard::optimizer_state_group;
 use kiln_shard::pieces::{self, held_range};
-use kiln_shard::{Shard, ShardConfig, ShardTensor, ShardedOptimizer, clip_grad_norm};
+use kiln_shard::{Shard, ShardConfig, ShardTensor, ShardedOptimizer};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -308,6 +306,10 @@ where
     let mut last_snapshot = None;
     let mut evaluated_at = None;
     drop(resume_from);
+    let step_config = kiln_shard::StepConfig {
+        clip: (t.grad_clip > 0.0).then_some(t.grad_clip),
+        ..Default::default()
+    };
     // Exposed communication: how long this rank's thread waits on collectives during steps.
     let (mut step_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
     for step in first_step + 1..=last_step {
@@ -323,18 +325,13 @@ where
             world,
         );
         let (x, y) = tensors::<Train<B>>(&b, device);
-        let loss = causal_lm_loss(model.forward(x), y);
-        let local: f64 = loss.clone().into_scalar().elem();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let (grads, grad_norm) = if t.grad_clip > 0.0 {
-            let (g, n) = clip_grad_norm(&model, grads, t.grad_clip);
-            (g, Some(n))
-        } else {
-            (grads, None)
-        };
-        model = optim.step(lr, model, grads);
+        let (stepped, stats) = kiln_shard::step(model, &mut optim, lr, &step_config, |m, _| {
+            causal_lm_loss(m.forward(x.clone()), y.clone())
+        });
+        model = stepped;
+        let grad_norm = stats.grad_norm;
         optimizer_time += 1;
-        let loss = all_mean(group.as_ref(), local)?;
+        let loss = all_mean(group.as_ref(), stats.loss)?;
         let waited = kiln_shard::account::comm_wait(group.rank()).saturating_sub(wait_start);
         step_time += step_start.elapsed();
         wait_time += waited;

@@ -30,14 +30,14 @@ use burn::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
 };
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamWConfig, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::Parser;
 use kiln::comm::{LaunchEnv, LocalGroup, ProcessGroup, ReduceOp, TcpGroup, spawn_ranks};
 use kiln::shard::account::{comm_stats, param_bytes, record_bytes};
 use kiln::shard::check::{self, Errors, params};
-use kiln::shard::{ShardConfig, ShardedOptimizer, Strategy, gather_model, shard};
+use kiln::shard::{ShardConfig, ShardedOptimizer, StepConfig, Strategy, gather_model, shard};
 use kiln::{Flex, Train};
 use std::error::Error;
 use std::sync::Arc;
@@ -172,12 +172,16 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
     let mut losses = Vec::with_capacity(args.steps);
     for step in 0..args.steps {
         let (x, y) = batch(step, rank * local..(rank + 1) * local, &device);
-        let loss = loss_fn.forward(model.forward(x), y);
         // The mean over this rank's rows; the gradients are averaged over ranks during
-        // backward, so the step is the global batch's.
-        let mut value = [loss.clone().into_scalar()];
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(3e-3, model, grads);
+        // backward, so the step is the global batch's. `kiln::shard::step` is the training
+        // step every kiln loop takes (accumulation, no_sync and clipping are its options).
+        let config = StepConfig::default();
+        let (stepped, stats) =
+            kiln::shard::step(model, &mut optim, 3e-3, &config, |m: &Classifier<B>, _| {
+                loss_fn.forward(m.forward(x.clone()), y.clone())
+            });
+        model = stepped;
+        let mut value = [stats.loss as f32];
         if let Some(g) = &group {
             g.all_reduce((&mut value[..]).into(), ReduceOp::Avg)?;
         }
@@ -209,7 +213,7 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
             params: params::<Flex, _>(&model),
             initial,
             traffic: Default::default(),
-        prefetch: Default::default(),
+            prefetch: Default::default(),
         },
         param_bytes,
         optimizer_bytes,

@@ -1,0 +1,115 @@
+//! One training step, the one every kiln training loop takes (`kiln train`, the parity
+//! harness, the examples, the benchmarks): micro-batches forward and backward, gradients
+//! reduced as the model's strategy says (during backward, or once under [`no_sync`]),
+//! global-norm clipping, the optimizer step. Strategies that change how a step runs
+//! (accumulation, deferred reduction, clipping, and later precision and rematerialisation)
+//! are options here, not loops of their own.
+//!
+//! Works for sharded models (any strategy, any world size) and for unsharded models of the
+//! same backend alike: for the latter, reduction and re-marking do nothing.
+//!
+//! [`no_sync`]: crate::no_sync
+
+use crate::{Shard, backward, clip_grad_norm, no_sync, reduce_gradients};
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+use burn_backend::Backend;
+
+/// How a step runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepConfig {
+    /// Micro-batches per step (gradient accumulation; at least 1). The loss of each should be
+    /// its mean divided by `accumulate`, so that the step sees the batch's mean.
+    pub accumulate: usize,
+    /// Accumulate under [`no_sync`](crate::no_sync) and reduce once per step (1/accumulate of
+    /// the gradient traffic; whole unreduced gradients meanwhile).
+    pub no_sync: bool,
+    /// Clip the global gradient norm to this (over all ranks and shards).
+    pub clip: Option<f64>,
+}
+
+impl Default for StepConfig {
+    fn default() -> Self {
+        StepConfig {
+            accumulate: 1,
+            no_sync: false,
+            clip: None,
+        }
+    }
+}
+
+/// What a step measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// This rank's loss: the sum of its micro-batches' losses (the values `loss` returned).
+    pub loss: f64,
+    /// The global gradient norm before clipping, when clipping.
+    pub grad_norm: Option<f64>,
+}
+
+/// Takes one optimizer step of `model` at learning rate `lr`: `loss(&model, i)` is the loss
+/// of micro-batch `i` (forward), differentiated and accumulated; the gradients are reduced
+/// over the ranks (the hook does it during backward unless `no_sync`), clipped, and the
+/// optimizer steps (use [`ShardedOptimizer`](crate::ShardedOptimizer) for sharded models).
+///
+/// # Panics
+/// If `config.accumulate` is 0; if a collective fails (with the rank and operation).
+pub fn step<B, AB, M, O>(
+    model: M,
+    optim: &mut O,
+    lr: f64,
+    config: &StepConfig,
+    mut loss: impl FnMut(&M, usize) -> Tensor<AB, 1>,
+) -> (M, StepStats)
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+    O: Optimizer<M, AB>,
+{
+    assert!(
+        config.accumulate > 0,
+        "kiln: a step needs at least one micro-batch"
+    );
+    let mut total = 0.0;
+    let grads = if config.accumulate == 1 && !config.no_sync {
+        let l = loss(&model, 0);
+        total += l.clone().into_scalar().elem::<f64>();
+        GradientsParams::from_grads(l.backward(), &model)
+    } else {
+        let mut acc = GradientsAccumulator::<M>::new();
+        for i in 0..config.accumulate {
+            let l = loss(&model, i);
+            total += l.clone().into_scalar().elem::<f64>();
+            let grads = if config.no_sync {
+                no_sync(&model, || backward(l, &model))
+            } else {
+                backward(l, &model)
+            };
+            acc.accumulate(&model, grads);
+        }
+        let grads = acc.grads();
+        if config.no_sync {
+            reduce_gradients(&model, grads)
+        } else {
+            grads
+        }
+    };
+    let (grads, grad_norm) = match config.clip {
+        Some(max) => {
+            let (g, n) = clip_grad_norm(&model, grads, max);
+            (g, Some(n))
+        }
+        None => (grads, None),
+    };
+    let model = optim.step(lr, model, grads);
+    (
+        model,
+        StepStats {
+            loss: total,
+            grad_norm,
+        },
+    )
+}
