@@ -243,7 +243,7 @@ mod tests {
                 assert_eq!(w.wait().unwrap(), [1.0, 2.0, 3.0, 4.0]);
             }
             q.submit("reduce-scatter", move |g| {
-                let input = vec![1.0f32; 5];
+                let input = [1.0f32; 5];
                 let mut out = vec![0.0f32; shard_range(5, 2, rank).len()];
                 g.reduce_scatter((&input[..]).into(), (&mut out[..]).into(), ReduceOp::Sum)?;
                 Ok(out)
@@ -263,12 +263,12 @@ mod tests {
                 let q = queue(&g);
                 let first = if g.rank() == 0 {
                     q.submit("all-reduce", |g| {
-                        let mut v = vec![1.0f32; 8];
+                        let mut v = [1.0f32; 8];
                         g.all_reduce((&mut v[..]).into(), ReduceOp::Sum)
                     })
                 } else {
                     q.submit("broadcast", |g| {
-                        let mut v = vec![1.0f32; 8];
+                        let mut v = [1.0f32; 8];
                         g.broadcast((&mut v[..]).into(), 0)
                     })
                 };
@@ -298,7 +298,7 @@ mod tests {
                 let q = queue(&g);
                 if g.rank() == 0 {
                     let w = q.submit("all-reduce", |g| {
-                        let mut v = vec![1.0f32; 8];
+                        let mut v = [1.0f32; 8];
                         g.all_reduce((&mut v[..]).into(), ReduceOp::Sum)
                     });
                     Some(w.wait().unwrap_err().to_string())
