@@ -249,6 +249,13 @@ fn prepare<B: Backend>(m: &ModelState<B>, grads: Vec<(ShardTensor<B>, Shape)>) -
     }
     let shapes: Vec<Shape> = grads.iter().map(|(_, s)| s.clone()).collect();
     let inner: Vec<B::FloatTensorPrimitive> = grads.into_iter().map(|(g, _)| local(g)).collect();
+    #[cfg(feature = "cuda")]
+    if m.queue.is_none() {
+        let on_device: Vec<_> = inner.iter().cloned().zip(shapes.iter().cloned()).collect();
+        if let Some(done) = crate::on_device::reduce(m, &on_device) {
+            return Prepared::Done(done);
+        }
+    }
     let device = B::float_device(&inner[0]);
     let dtype = inner[0].dtype();
     let hosts: Vec<Host> = inner

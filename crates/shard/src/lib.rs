@@ -27,6 +27,8 @@ pub mod check;
 #[cfg(feature = "cuda")]
 pub mod device;
 mod hook;
+#[cfg(feature = "cuda")]
+mod on_device;
 mod ops;
 mod optim;
 pub mod pieces;

@@ -64,6 +64,10 @@ pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
     {
         return crate::prefetch::gather(&m, queue, id, s);
     }
+    #[cfg(feature = "cuda")]
+    if let Some(whole) = crate::on_device::gather(s) {
+        return whole;
+    }
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
     let host = with_kind(MemKind::Comm, || {
