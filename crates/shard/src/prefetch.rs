@@ -38,6 +38,8 @@ pub(crate) struct Prefetch<B: Backend> {
     issued: usize,
     in_flight: VecDeque<Gather>,
     in_flight_bytes: usize,
+    /// Optimizer steps so far: the version of the registered shards.
+    version: u64,
     /// Gathers of tagged parameters, and how many found their all-gather already issued.
     pub stats: PrefetchStats,
 }
@@ -68,6 +70,7 @@ impl<B: Backend> Default for Prefetch<B> {
             issued: 0,
             in_flight: VecDeque::new(),
             in_flight_bytes: 0,
+            version: 0,
             stats: PrefetchStats::default(),
         }
     }
@@ -79,9 +82,15 @@ impl<B: Backend> Prefetch<B> {
         self.shards.insert(id, shard);
     }
 
+    /// The version of the parameters' current values (see `ParamTag`).
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
     /// The parameters are about to change (an optimizer step): forget their shards and what
     /// was gathered from them; this step's gathers are the next step's order.
     pub fn invalidate(&mut self) {
+        self.version += 1;
         self.shards.clear();
         self.in_flight.clear();
         self.in_flight_bytes = 0;
@@ -110,13 +119,40 @@ pub(crate) fn gather<B: Backend>(
     m: &ModelState<B>,
     queue: &CommQueue,
     id: DistributedParamId,
+    version: u64,
     s: &Sharded<B>,
 ) -> B::FloatTensorPrimitive {
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
     let work = {
         let mut p = m.prefetch();
-        let ahead = take_in_flight(&mut p, id);
+        if version != p.version {
+            // A value from before the last step (a copy kept aside): gathered on its own, and
+            // not part of the order.
+            drop(p);
+            submit(queue, s)
+        } else {
+            next(&mut p, queue, id, s, m.config.prefetch_bytes)
+        }
+    };
+    let full = waiting(|| work.wait())
+        .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e));
+    with_kind(MemKind::Gathered, || {
+        write::<B>(full.into_data(s.shape.clone()), &device, dtype)
+    })
+}
+
+/// The all-gather of the current value of `id` (prefetched, or issued now), recording the
+/// gather and issuing the next ones.
+fn next<B: Backend>(
+    p: &mut Prefetch<B>,
+    queue: &CommQueue,
+    id: DistributedParamId,
+    s: &Sharded<B>,
+    budget: usize,
+) -> Work<Host> {
+    {
+        let ahead = take_in_flight(p, id);
         p.stats.gathers += 1;
         p.stats.prefetched += u64::from(ahead.is_some());
         let work = ahead.unwrap_or_else(|| submit(queue, s));
@@ -138,15 +174,10 @@ pub(crate) fn gather<B: Backend>(
             (_, None) => {}
         }
         if p.pos.is_some() {
-            issue_next(&mut p, queue, m.config.prefetch_bytes);
+            issue_next(p, queue, budget);
         }
         work
-    };
-    let full = waiting(|| work.wait())
-        .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e));
-    with_kind(MemKind::Gathered, || {
-        write::<B>(full.into_data(s.shape.clone()), &device, dtype)
-    })
+    }
 }
 
 /// The prefetch of `id` if it is in flight; earlier prefetches that were not used (the order

@@ -367,8 +367,12 @@ where
                     // A shard learns which parameter it is the value of, for prefetching.
                     let tensor = replace_primitive::<B, AB, D>(tensor, |t| match t {
                         ShardTensor::Sharded(mut s) if s.group.world_size() > 1 => {
-                            s.tag = Some(*mark);
-                            model.prefetch().register(*mark, s.clone());
+                            let mut p = model.prefetch();
+                            s.tag = Some(crate::tensor::ParamTag {
+                                id: *mark,
+                                version: p.version(),
+                            });
+                            p.register(*mark, s.clone());
                             ShardTensor::Sharded(s)
                         }
                         t => t,

@@ -96,11 +96,19 @@ pub struct Sharded<B: Backend> {
     pub shape: Shape,
     /// The group the tensor is sharded over.
     pub group: Arc<dyn ProcessGroup>,
-    /// The gradient-sync id of the parameter this shard is the current value of (set when a
-    /// sharded model's parameters are marked, kept by clones and views, dropped by any op that
-    /// computes new values): gathering it may use an all-gather prefetched in the order
-    /// learned on the first step (see `prefetch`).
-    pub(crate) tag: Option<burn_backend::distributed::DistributedParamId>,
+    /// Which parameter value this shard is (set when a sharded model's parameters are marked,
+    /// kept by clones and views, dropped by any op that computes new values): gathering it may
+    /// use an all-gather prefetched in the order of the previous step (see `prefetch`).
+    pub(crate) tag: Option<ParamTag>,
+}
+
+/// A parameter's gradient-sync id and the version of its value: the model's optimizer steps
+/// so far when it was marked. A prefetch serves only the version it was gathered from, so a
+/// copy of the model kept from before a step (an EMA, a snapshot) never receives newer values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ParamTag {
+    pub id: burn_backend::distributed::DistributedParamId,
+    pub version: u64,
 }
 
 impl<B: Backend> std::fmt::Debug for Sharded<B> {

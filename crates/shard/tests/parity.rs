@@ -209,6 +209,38 @@ fn overlap_and_prefetch_change_nothing_but_timing() {
     }
 }
 
+/// A prefetch serves only the value it was gathered from: a copy of a ZeRO-3 model kept from
+/// before a step still reads its own weights after the step (when the next step's first
+/// gathers, of the new weights, are already in flight).
+#[test]
+fn a_copy_from_before_a_step_is_not_served_newer_prefetched_weights() {
+    use burn::optim::AdamWConfig;
+    use kiln_shard::check::data;
+    use kiln_shard::{ShardedOptimizer, StepConfig, step};
+    let initial = Mutex::new(mlp());
+    spawn_ranks(2, |g: LocalGroup| {
+        let rank = g.rank();
+        let model = initial.lock().unwrap().clone();
+        let mut model = shard(model, Arc::new(g), ShardConfig::new(Strategy::Zero3)).unwrap();
+        let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init());
+        let width = model.input_width();
+        let mut kept = None;
+        for i in 0..3 {
+            if i == 2 {
+                kept = Some((model.clone(), params::<Flex, _>(&model)));
+            }
+            let (x, y) = data::<B>(width, rank * 4..rank * 4 + 4, i, &Default::default());
+            let (stepped, _) = step(model, &mut optim, 1e-2, &StepConfig::default(), |m, _| {
+                m.loss(x.clone(), y.clone())
+            });
+            model = stepped;
+        }
+        let (kept, values) = kept.unwrap();
+        assert_eq!(params::<Flex, _>(&kept), values, "rank {rank}");
+        assert_ne!(params::<Flex, _>(&model), values, "rank {rank}: the model trained");
+    });
+}
+
 #[test]
 fn zero3_holds_only_shards() {
     let initial = Mutex::new(mlp());

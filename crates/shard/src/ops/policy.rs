@@ -59,10 +59,11 @@ pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
         return B::float_reshape(s.shard.clone(), s.shape.clone());
     }
     // A parameter's shard goes through its model's communication queue (prefetched there).
-    if let Some((m, id)) = s.tag.and_then(crate::state::model_of::<B>)
+    if let Some(tag) = s.tag
+        && let Some((m, id)) = crate::state::model_of::<B>(tag.id)
         && let Some(queue) = &m.queue
     {
-        return crate::prefetch::gather(&m, queue, id, s);
+        return crate::prefetch::gather(&m, queue, id, tag.version, s);
     }
     #[cfg(feature = "cuda")]
     if let Some(whole) = crate::on_device::gather(s) {
