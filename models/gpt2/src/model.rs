@@ -3,10 +3,12 @@
 use crate::{Gelu, Gpt2Config};
 use burn::module::{Initializer, Module};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::{self, gelu, sigmoid};
+use burn::tensor::activation::{gelu, sigmoid};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use kiln_hf::{CausalLm, HfNaming, HfTensorName, causal_mask, tied_logits};
+use kiln_hf::{
+    CausalLm, HfNaming, HfTensorName, attention_softmax, causal_mask, masked_scores, tied_logits,
+};
 
 /// GPT-2 initialisation: N(0, 0.02) (biases too; Hugging Face zeroes them, which only matters for
 /// training from scratch).
@@ -20,29 +22,6 @@ fn linear<B: Backend>(d_in: usize, d_out: usize, bias: bool, device: &B::Device)
         .with_bias(bias)
         .with_initializer(INIT)
         .init(device)
-}
-
-/// `scores + mask` for scores `[batch, heads, seq, seq]` and the mask `[1, seq * seq]`. Flex adds a
-/// broadcast operand with its SIMD kernel only when the operand is one row repeated (`[1, 1, seq,
-/// seq]` against 4-d scores walks both element by element); flattened, the mask is that row.
-fn add_mask<B: Backend>(scores: Tensor<B, 4>, mask: &Tensor<B, 2>) -> Tensor<B, 4> {
-    let shape = scores.dims();
-    let [batch, heads, rows, cols] = shape;
-    (scores.reshape([batch * heads, rows * cols]) + mask.clone()).reshape(shape)
-}
-
-/// Softmax over the last dimension of attention scores. Burn 0.21's autodiff has no softmax node of
-/// its own: it differentiates the default `exp(x - max) / sum`, whose division costs four
-/// score-sized ops backward. Multiplying by the reciprocal of the sums costs two; the backend's
-/// fused softmax serves whenever nothing is differentiated.
-fn softmax<B: Backend>(scores: Tensor<B, 4>) -> Tensor<B, 4> {
-    if !B::ad_enabled(&scores.device()) {
-        return activation::softmax(scores, 3);
-    }
-    let max = scores.clone().detach().max_dim(3);
-    let exp = (scores - max).exp();
-    let inv_sum = exp.clone().sum_dim(3).recip();
-    exp * inv_sum
 }
 
 /// Causal self-attention with fused QKV projection (`c_attn`: `[n_embd, 3 n_embd]`).
@@ -72,8 +51,8 @@ impl<B: Backend> Attention<B> {
         let head = |i: usize| qkv.clone().narrow(1, i * h, h);
         // Scaling q (`seq x head_dim`) is cheaper than scaling the scores (`seq x seq`).
         let q = head(0).mul_scalar(self.scale);
-        let scores = add_mask(q.matmul(head(1).swap_dims(2, 3)), mask);
-        let out = softmax(scores).matmul(head(2));
+        let scores = masked_scores(q.matmul(head(1).swap_dims(2, 3)), mask);
+        let out = attention_softmax(scores).matmul(head(2));
         self.c_proj
             .forward(out.swap_dims(1, 2).reshape([batch, seq, d]))
     }

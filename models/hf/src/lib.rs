@@ -38,7 +38,8 @@ pub use config::{
 };
 pub use error::HfError;
 pub use lm::{
-    CausalLm, GenerateConfig, Sampling, causal_lm_loss, causal_mask, generate, tied_logits,
+    CausalLm, GenerateConfig, Sampling, attention_softmax, causal_lm_loss, causal_mask, generate,
+    masked_scores, tied_logits,
 };
 pub use pretrained::Pretrained;
 pub use reference::{AdamWSettings, Reference};

@@ -13,6 +13,29 @@ pub fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
     Tensor::from_data(TensorData::new(values, [1, 1, seq, seq]), device)
 }
 
+/// `scores + mask` for scores `[batch, heads, seq, seq]` and the mask `[1, seq * seq]`. Flex adds a
+/// broadcast operand with its SIMD kernel only when the operand is one row repeated (`[1, 1, seq,
+/// seq]` against 4-d scores walks both element by element); flattened, the mask is that row.
+pub fn masked_scores<B: Backend>(scores: Tensor<B, 4>, mask: &Tensor<B, 2>) -> Tensor<B, 4> {
+    let shape = scores.dims();
+    let [batch, heads, rows, cols] = shape;
+    (scores.reshape([batch * heads, rows * cols]) + mask.clone()).reshape(shape)
+}
+
+/// Softmax over the last dimension of attention scores. Burn 0.21's autodiff has no softmax node of
+/// its own: it differentiates the default `exp(x - max) / sum`, whose division costs four
+/// score-sized ops backward. Multiplying by the reciprocal of the sums costs two; the backend's
+/// fused softmax serves whenever nothing is differentiated.
+pub fn attention_softmax<B: Backend>(scores: Tensor<B, 4>) -> Tensor<B, 4> {
+    if !B::ad_enabled(&scores.device()) {
+        return burn::tensor::activation::softmax(scores, 3);
+    }
+    let max = scores.clone().detach().max_dim(3);
+    let exp = (scores - max).exp();
+    let inv_sum = exp.clone().sum_dim(3).recip();
+    exp * inv_sum
+}
+
 /// Logits of a head tied to the token embedding: `x [batch, seq, d] · embeddingᵀ`.
 pub fn tied_logits<B: Backend>(x: Tensor<B, 3>, embedding: Tensor<B, 2>) -> Tensor<B, 3> {
     let [batch, seq, d] = x.dims();

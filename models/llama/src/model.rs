@@ -3,10 +3,12 @@
 use crate::LlamaConfig;
 use burn::module::{Initializer, Module};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::{self, silu};
+use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use kiln_hf::{CausalLm, HfNaming, HfTensorName, causal_mask, tied_logits};
+use kiln_hf::{
+    CausalLm, HfNaming, HfTensorName, attention_softmax, causal_mask, masked_scores, tied_logits,
+};
 
 /// Llama initialisation: N(0, 0.02) (`initializer_range`).
 const INIT: Initializer = Initializer::Normal {
@@ -121,29 +123,6 @@ impl<B: Backend> RopeTables<B> {
     }
 }
 
-/// `scores + mask` for scores `[batch, heads, seq, seq]` and the mask `[1, seq * seq]`. Flex adds a
-/// broadcast operand with its SIMD kernel only when the operand is one row repeated (`[1, 1, seq,
-/// seq]` against 4-d scores walks both element by element); flattened, the mask is that row.
-fn add_mask<B: Backend>(scores: Tensor<B, 4>, mask: &Tensor<B, 2>) -> Tensor<B, 4> {
-    let shape = scores.dims();
-    let [batch, heads, rows, cols] = shape;
-    (scores.reshape([batch * heads, rows * cols]) + mask.clone()).reshape(shape)
-}
-
-/// Softmax over the last dimension of attention scores. Burn 0.21's autodiff has no softmax node of
-/// its own: it differentiates the default `exp(x - max) / sum`, whose division costs four
-/// score-sized ops backward. Multiplying by the reciprocal of the sums costs two; the backend's
-/// fused softmax serves whenever nothing is differentiated.
-fn softmax<B: Backend>(scores: Tensor<B, 4>) -> Tensor<B, 4> {
-    if !B::ad_enabled(&scores.device()) {
-        return activation::softmax(scores, 3);
-    }
-    let max = scores.clone().detach().max_dim(3);
-    let exp = (scores - max).exp();
-    let inv_sum = exp.clone().sum_dim(3).recip();
-    exp * inv_sum
-}
-
 /// Grouped-query self-attention with rotary positions.
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
@@ -187,7 +166,7 @@ impl<B: Backend> Attention<B> {
                 .matmul(k.swap_dims(2, 3))
                 .reshape([batch, h, seq, seq])
         };
-        let probs = softmax(add_mask(scores, mask));
+        let probs = attention_softmax(masked_scores(scores, mask));
         let out = if group == 1 {
             probs.matmul(v)
         } else {
