@@ -237,7 +237,11 @@ fn a_copy_from_before_a_step_is_not_served_newer_prefetched_weights() {
         }
         let (kept, values) = kept.unwrap();
         assert_eq!(params::<Flex, _>(&kept), values, "rank {rank}");
-        assert_ne!(params::<Flex, _>(&model), values, "rank {rank}: the model trained");
+        assert_ne!(
+            params::<Flex, _>(&model),
+            values,
+            "rank {rank}: the model trained"
+        );
     });
 }
 
