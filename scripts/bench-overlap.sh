@@ -35,7 +35,7 @@ run() { # overlap -> "tok/s wait%"
 echo "== $STRATEGY x$RANKS (processes), $STEPS steps, best of $REPEAT per setting; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-10s %12s %18s\n' overlap "tok/s" "waiting on colls"
 declare -A best_t best_w
-for r in $(seq "$REPEAT"); do
+for _ in $(seq "$REPEAT"); do
   for ov in false true; do # alternate, so both settings see the same machine
     read -r t w < <(run "$ov")
     if [ -z "${best_w[$ov]:-}" ] || awk "BEGIN { exit !($w < ${best_w[$ov]}) }"; then

@@ -10,7 +10,7 @@
 #     bash scripts/gpu-check.sh              # all GPUs of this machine
 #     GPU_CHECK_QUICK=1 bash scripts/gpu-check.sh   # skip the GPT-2 124M-shape throughput run
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$ngpu" -lt 1 ]; then
@@ -73,7 +73,8 @@ fi
 if [ -n "$ncclso" ] && [ -e "$ncclso" ]; then
   linkdir=$(mktemp -d)
   ln -s "$ncclso" "$linkdir/libnccl.so"
-  export LD_LIBRARY_PATH="$linkdir:$(dirname "$ncclso")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  nccldir=$(dirname "$ncclso")
+  export LD_LIBRARY_PATH="$linkdir:$nccldir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 
 step "build (release, --features cuda,nccl)" cargo build --release -p kiln-cli --features cuda,nccl
