@@ -11,10 +11,11 @@ busbw = algbw x 2(N-1)/N (nccl-tests' definition). Installs nothing; needs torch
 
 import argparse
 import os
-import socket
 import sys
 import time
 import warnings
+
+from common import free_port
 
 # torch warns at import when numpy is missing; nothing here uses numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -85,12 +86,6 @@ def rank_main(rank, world, port, sizes_, repeat, queue):
     if rank == 0:
         queue.put(times)
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

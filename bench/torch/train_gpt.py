@@ -26,10 +26,11 @@ is machine-readable:
 import argparse
 import math
 import os
-import socket
 import sys
 import time
 import warnings
+
+from common import free_port
 
 # A torch wheel without NumPy warns at import; nothing here uses NumPy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -224,12 +225,6 @@ def worker(rank, world, a, port):
         )
     if dist is not None:
         dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

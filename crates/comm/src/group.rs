@@ -668,28 +668,13 @@ fn all_reduce_ring<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let len = buf.len();
-    let chunk = |i: usize| shard_range(len, n, i % n);
-    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    for s in 0..n - 1 {
-        let last = s == n - 2;
-        let (send, recv) = (chunk(r + n - s), chunk(r + 2 * n - s - 1));
-        ring_step(
-            o,
-            s,
-            (right, left),
-            buf,
-            Src::Out(send),
-            recv,
-            |dst, _, data| {
-                reduce_into(dst, data, op);
-                // The chunk is complete: average it before it travels on.
-                if last && op == ReduceOp::Avg {
-                    dst.iter_mut().for_each(|x| *x = x.div(n));
-                }
-            },
-        )?;
-    }
+    ring_pass(o, n, r, buf, 0, 0, |s, dst, data| {
+        reduce_into(dst, data, op);
+        // The chunk is complete: average it before it travels on.
+        if s == n - 2 && op == ReduceOp::Avg {
+            dst.iter_mut().for_each(|x| *x = x.div(n));
+        }
+    })?;
     ring_all_gather(o, n, r, buf, 1, n)
 }
 
@@ -703,12 +688,29 @@ fn ring_all_gather<T: Element>(
     owner_shift: usize,
     first_step: usize,
 ) -> Result<()> {
+    ring_pass(o, n, r, buf, owner_shift, first_step, |_, dst, data| {
+        dst.copy_from_slice(data)
+    })
+}
+
+/// N-1 ring steps over the chunks of `buf`: at step s rank r sends chunk `r + shift - s` to
+/// its right and receives chunk `r + shift - s - 1` from its left, handing each received
+/// piece to `land(s, destination, data)`.
+fn ring_pass<T: Element>(
+    o: &mut Op<'_>,
+    n: usize,
+    r: usize,
+    buf: &mut [T],
+    shift: usize,
+    first_step: usize,
+    mut land: impl FnMut(usize, &mut [T], &[T]),
+) -> Result<()> {
     let len = buf.len();
     let chunk = |i: usize| shard_range(len, n, i % n);
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
     for s in 0..n - 1 {
-        let send = chunk(r + owner_shift + n - s);
-        let recv = chunk(r + owner_shift + 2 * n - s - 1);
+        let send = chunk(r + shift + n - s);
+        let recv = chunk(r + shift + 2 * n - s - 1);
         ring_step(
             o,
             first_step + s,
@@ -716,7 +718,7 @@ fn ring_all_gather<T: Element>(
             buf,
             Src::Out(send),
             recv,
-            |dst, _, data| dst.copy_from_slice(data),
+            |dst, _, data| land(s, dst, data),
         )?;
     }
     Ok(())
@@ -790,19 +792,15 @@ fn ring_step<T: Element>(
     mut land: impl FnMut(&mut [T], usize, &[T]),
 ) -> Result<()> {
     let mut outgoing = Outgoing::new(src, (right, step), o.core.world_size());
+    // Two pieces ahead before the first receive, then one per piece received.
     outgoing.send_next(o, out)?;
-    let mut got = 0;
-    loop {
-        outgoing.send_next(o, out)?;
-        let payload = o.recv_piece::<T>(left, step, recv.len() - got, false)?;
-        let data = bytes_as::<T>(&payload);
+    outgoing.send_next(o, out)?;
+    recv_pieces::<T>(o, left, step, recv.len(), |o, got, data| {
         let at = recv.start + got;
-        land(&mut out[at..at + data.len()], got, &data);
-        got += data.len();
-        if got >= recv.len() {
-            break;
-        }
-    }
+        land(&mut out[at..at + data.len()], got, data);
+        outgoing.send_next(o, out)?;
+        Ok(())
+    })?;
     while outgoing.send_next(o, out)? {}
     Ok(())
 }
@@ -860,13 +858,28 @@ fn recv_into<T: Element>(
     out: &mut [T],
     mut land: impl FnMut(&mut [T], &[T]),
 ) -> Result<()> {
+    recv_pieces::<T>(o, peer, step, out.len(), |_, got, data| {
+        land(&mut out[got..got + data.len()], data);
+        Ok(())
+    })
+}
+
+/// Receives `total` elements from `peer`, in whatever pieces it sent them, handing each piece
+/// to `each(op, offset, data)` as it arrives.
+fn recv_pieces<'a, T: Element>(
+    o: &mut Op<'a>,
+    peer: usize,
+    step: usize,
+    total: usize,
+    mut each: impl FnMut(&mut Op<'a>, usize, &[T]) -> Result<()>,
+) -> Result<()> {
     let mut got = 0;
     loop {
-        let payload = o.recv_piece::<T>(peer, step, out.len() - got, false)?;
+        let payload = o.recv_piece::<T>(peer, step, total - got, false)?;
         let data = bytes_as::<T>(&payload);
-        land(&mut out[got..got + data.len()], &data);
+        each(o, got, &data)?;
         got += data.len();
-        if got >= out.len() {
+        if got >= total {
             return Ok(());
         }
     }

@@ -444,6 +444,12 @@ impl Live<'_> {
         self.check(what, end)
     }
 
+    /// Checks the result of enqueueing `what`, then waits until the device has run it.
+    fn enqueued(&self, what: &str, r: ns::ncclResult_t) -> Result<()> {
+        self.check(what, r)?;
+        self.complete()
+    }
+
     /// Waits for the stream's work, polling so that a dead peer is a timeout, not a hang.
     fn complete(&self) -> Result<()> {
         let event = self
@@ -727,8 +733,7 @@ impl NcclGroup {
                 live.stream(),
             )
         };
-        live.check("ncclAllGather (descriptor)", r)?;
-        live.complete()?;
+        live.enqueued("ncclAllGather (descriptor)", r)?;
         let all = self
             .stream
             .clone_dtoh(&all)
@@ -795,8 +800,7 @@ impl NcclGroup {
                             live.stream(),
                         )
                     };
-                    live.check("ncclAllReduce", r)?;
-                    live.complete()?;
+                    live.enqueued("ncclAllReduce", r)?;
                 }
                 Ok(())
             },
@@ -835,8 +839,7 @@ impl NcclGroup {
                         live.stream(),
                     )
                 };
-                live.check("ncclAllGather", r)?;
-                live.complete()?;
+                live.enqueued("ncclAllGather", r)?;
             }
             Ok(())
         })?;
@@ -880,8 +883,7 @@ impl NcclGroup {
                             live.stream(),
                         )
                     };
-                    live.check("ncclReduceScatter", r)?;
-                    live.complete()?;
+                    live.enqueued("ncclReduceScatter", r)?;
                 }
                 Ok(())
             },
@@ -929,8 +931,7 @@ impl NcclGroup {
                         live.stream(),
                     )
                 };
-                live.check("ncclBroadcast", r)?;
-                live.complete()?;
+                live.enqueued("ncclBroadcast", r)?;
             }
             Ok(())
         })?;

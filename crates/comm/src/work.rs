@@ -18,10 +18,9 @@
 use crate::error::{CommError, Result};
 use crate::group::ProcessGroup;
 use std::fmt;
-use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 type Job = Box<dyn FnOnce(&dyn ProcessGroup) + Send>;
 
@@ -29,8 +28,9 @@ type Job = Box<dyn FnOnce(&dyn ProcessGroup) + Send>;
 /// overlapping whatever the submitting thread does meanwhile.
 pub struct CommQueue {
     group: Arc<dyn ProcessGroup>,
-    jobs: Mutex<Option<Sender<Job>>>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// `None` only while dropping.
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl fmt::Debug for CommQueue {
@@ -49,13 +49,7 @@ impl CommQueue {
     /// other splits of `group`.
     pub fn new(group: &dyn ProcessGroup) -> Result<CommQueue> {
         let all: Vec<usize> = (0..group.world_size()).collect();
-        let sub = group.split(&all, &format!("{}/async", group.name()))?;
-        Ok(Self::over(sub))
-    }
-
-    /// A queue that runs its collectives on `group` itself. The caller must not issue
-    /// collectives on `group` from any other thread while the queue is in use.
-    pub fn over(group: Arc<dyn ProcessGroup>) -> CommQueue {
+        let group = group.split(&all, &format!("{}/async", group.name()))?;
         let (tx, rx) = channel::<Job>();
         let worker = group.clone();
         let thread = std::thread::Builder::new()
@@ -65,12 +59,15 @@ impl CommQueue {
                     job(worker.as_ref());
                 }
             })
-            .expect("spawning a communication thread");
-        CommQueue {
+            .map_err(|e| CommError::Queue {
+                group: group.name().to_string(),
+                message: format!("cannot start the communication thread: {e}"),
+            })?;
+        Ok(CommQueue {
             group,
-            jobs: Mutex::new(Some(tx)),
-            thread: Mutex::new(Some(thread)),
-        }
+            jobs: Some(tx),
+            thread: Some(thread),
+        })
     }
 
     /// The sub-group the queue's collectives run on.
@@ -87,7 +84,6 @@ impl CommQueue {
         F: FnOnce(&dyn ProcessGroup) -> Result<T> + Send + 'static,
     {
         let (tx, rx) = channel();
-        let group = self.group.name().to_string();
         let job: Job = Box::new(move |g| {
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(g)))
                 .unwrap_or_else(|panic| {
@@ -104,19 +100,16 @@ impl CommQueue {
             // The handle may have been dropped: nobody wants the result.
             let _ = tx.send(out);
         });
-        let sent = self
-            .jobs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|jobs| jobs.send(job).is_ok())
-            .unwrap_or(false);
+        // If the thread is gone the job (and its sender) is dropped here, and waiting on the
+        // handle reports it.
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(job);
+        }
         Work {
             rx,
             what,
-            group,
-            sent,
-            waited: Duration::ZERO,
+            group: self.group.name().to_string(),
+            ready: None,
         }
     }
 }
@@ -124,8 +117,8 @@ impl CommQueue {
 impl Drop for CommQueue {
     fn drop(&mut self) {
         // Closing the channel lets the thread finish what was submitted, then end.
-        drop(self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take());
-        if let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
     }
@@ -138,47 +131,39 @@ pub struct Work<T> {
     rx: Receiver<Result<T>>,
     what: &'static str,
     group: String,
-    sent: bool,
-    waited: Duration,
+    /// The result, once [`is_ready`](Work::is_ready) has seen it.
+    ready: Option<Result<T>>,
 }
 
 impl<T> Work<T> {
     /// Blocks until the collective has run and returns its result.
-    pub fn wait(self) -> Result<T> {
-        self.wait_timed().0
+    pub fn wait(mut self) -> Result<T> {
+        match self.ready.take() {
+            Some(out) => out,
+            None => self.rx.recv().unwrap_or_else(|_| Err(self.lost())),
+        }
     }
 
-    /// [`wait`](Work::wait), also returning how long this thread was blocked.
-    pub fn wait_timed(self) -> (Result<T>, Duration) {
-        let lost = || CommError::Queue {
+    /// Whether the result is there (waiting would not block).
+    pub fn is_ready(&mut self) -> bool {
+        if self.ready.is_none() {
+            self.ready = match self.rx.try_recv() {
+                Ok(out) => Some(out),
+                Err(TryRecvError::Empty) => return false,
+                Err(TryRecvError::Disconnected) => Some(Err(self.lost())),
+            };
+        }
+        true
+    }
+
+    fn lost(&self) -> CommError {
+        CommError::Queue {
             group: self.group.clone(),
             message: format!(
                 "{}: the communication thread is gone (the queue was dropped or its thread \
                  ended) before the collective ran",
                 self.what
             ),
-        };
-        if !self.sent {
-            return (Err(lost()), self.waited);
-        }
-        let start = Instant::now();
-        let out = self.rx.recv().unwrap_or_else(|_| Err(lost()));
-        (out, self.waited + start.elapsed())
-    }
-
-    /// Whether the result is there (waiting would not block).
-    pub fn is_ready(&mut self) -> bool {
-        // A peeked result cannot be put back into an mpsc channel; re-send it into a fresh
-        // one instead (cheap: one allocation, only when ready).
-        match self.rx.try_recv() {
-            Ok(out) => {
-                let (tx, rx) = channel();
-                let _ = tx.send(out);
-                self.rx = rx;
-                true
-            }
-            Err(std::sync::mpsc::TryRecvError::Empty) => false,
-            Err(std::sync::mpsc::TryRecvError::Disconnected) => true,
         }
     }
 }
@@ -187,6 +172,7 @@ impl<T> Work<T> {
 mod tests {
     use super::*;
     use crate::{GroupOptions, LocalGroup, ReduceOp, shard_range, spawn_ranks_with};
+    use std::time::Duration;
 
     fn queue(g: &LocalGroup) -> CommQueue {
         CommQueue::new(g).unwrap()

@@ -241,21 +241,17 @@ static RANK_WAIT_NS: [std::sync::atomic::AtomicU64; MAX_COUNTED_RANKS] =
 pub(crate) fn waiting<R>(f: impl FnOnce() -> R) -> R {
     let start = std::time::Instant::now();
     let out = f();
-    add_wait(start.elapsed());
+    if let Some(counter) = current_rank().and_then(|r| RANK_WAIT_NS.get(r)) {
+        let ns = start.elapsed().as_nanos() as u64;
+        counter.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+    }
     out
 }
 
-/// Adds `d` to this thread's rank's [`comm_wait`].
-pub(crate) fn add_wait(d: std::time::Duration) {
-    if let Some(counter) = current_rank().and_then(|r| RANK_WAIT_NS.get(r)) {
-        counter.fetch_add(d.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
 /// How long `rank`'s compute thread has been blocked on collectives (gathers, gradient
-/// reductions, the optimizer's collectives) since the last [`reset_comm_wait`]: the exposed
-/// communication of its steps. Counted for ranks whose thread sharded a model (or called
-/// [`attribute_to_rank`]), whatever the global allocator.
+/// reductions, the optimizer's collectives) since the process started: the exposed
+/// communication of its steps (take differences for a span). Counted for ranks whose thread
+/// sharded a model (or called [`attribute_to_rank`]), whatever the global allocator.
 pub fn comm_wait(rank: usize) -> std::time::Duration {
     RANK_WAIT_NS
         .get(rank)
@@ -264,22 +260,18 @@ pub fn comm_wait(rank: usize) -> std::time::Duration {
         })
 }
 
-/// Starts `rank`'s [`comm_wait`] from zero.
-pub fn reset_comm_wait(rank: usize) {
-    if let Some(c) = RANK_WAIT_NS.get(rank) {
-        c.store(0, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// This thread's allocation tag (rank and kind), to give a helper thread working for the
-/// same rank (the communication queue's) with [`set_tag`].
-pub(crate) fn tag() -> u64 {
-    TAG.with(|t| t.get())
-}
-
-/// Makes this thread's allocations count as `tag`'s (see [`tag`]).
-pub(crate) fn set_tag(tag: u64) {
-    TAG.with(|t| t.set(tag));
+/// Hands `f` to `queue`, its allocations counted for this thread's rank (and kind) as the
+/// calling thread's are: the queue's thread works for the rank that submits.
+pub(crate) fn on_queue<T: Send + 'static>(
+    queue: &kiln_comm::CommQueue,
+    what: &'static str,
+    f: impl FnOnce(&dyn kiln_comm::ProcessGroup) -> kiln_comm::Result<T> + Send + 'static,
+) -> kiln_comm::Work<T> {
+    let tag = TAG.with(|t| t.get());
+    queue.submit(what, move |g| {
+        TAG.with(|t| t.set(tag));
+        f(g)
+    })
 }
 
 /// What one rank holds on the heap, by kind, as counted by [`RankAlloc`].

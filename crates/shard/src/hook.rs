@@ -54,11 +54,13 @@ impl<B: Backend> DistributedBackend for Shard<B> {
         for p in &params {
             let (m, _) = model::<B>(p);
             if !models.iter().any(|(seq, _)| *seq == m.seq) {
+                let d = m.lock();
                 assert!(
-                    m.lock().bucket.is_empty() && m.lock().in_flight.is_empty(),
+                    d.bucket.is_empty() && d.in_flight.is_empty(),
                     "kiln: a backward pass started before the previous one synchronised its \
                      gradients"
                 );
+                drop(d);
                 models.push((m.seq, m as AnyModel));
             }
         }
@@ -134,46 +136,27 @@ fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
         .iter()
         .map(|p| (unsafe { (*p.ptr).clone() }, p.shape.clone()))
         .collect();
-    let in_flight = with_kind(MemKind::Comm, || match prepare(m, grads) {
-        Prepared::Done(reduced) => {
-            put_back(&bucket, reduced);
-            None
+    with_kind(MemKind::Comm, || match (prepare(m, grads), &m.queue) {
+        (Prepared::Send(layout, send), Some(queue)) => {
+            let across = m.replicate_group.clone();
+            let work = crate::account::on_queue(queue, "gradient reduction", move |g| {
+                with_kind(MemKind::Comm, || communicate(g, across.as_deref(), send))
+            });
+            m.lock().in_flight.push(InFlight {
+                bucket,
+                layout,
+                work,
+            });
         }
-        Prepared::Send(layout, send) => match &m.queue {
-            Some(queue) => {
-                let across = m.replicate_group.clone();
-                let tag = crate::account::tag();
-                let work = queue.submit("gradient reduction", move |g| {
-                    crate::account::set_tag(tag);
-                    with_kind(MemKind::Comm, || communicate(g, across.as_deref(), send))
-                });
-                Some(InFlight {
-                    bucket,
-                    layout,
-                    work,
-                })
-            }
-            None => {
-                let out = waiting(|| {
-                    communicate(m.shard_group.as_ref(), m.replicate_group.as_deref(), send)
-                });
-                let reduced = finish(m, &layout, out);
-                put_back(&bucket, reduced);
-                None
-            }
-        },
+        (prepared, _) => put_back(&bucket, complete(m, prepared)),
     });
-    if let Some(f) = in_flight {
-        m.lock().in_flight.push(f);
-    }
 }
 
 /// Waits for the model's buckets in flight, in order, and writes their results back.
 fn land<B: Backend>(m: &ModelState<B>) {
     let in_flight = std::mem::take(&mut m.lock().in_flight);
     for f in in_flight {
-        let (out, waited) = f.work.wait_timed();
-        crate::account::add_wait(waited);
+        let out = waiting(|| f.work.wait());
         let reduced = with_kind(MemKind::Comm, || finish(m, &f.layout, out));
         put_back(&f.bucket, reduced);
     }
@@ -192,7 +175,12 @@ pub(crate) fn reduce<B: Backend>(
     m: &ModelState<B>,
     grads: Vec<(ShardTensor<B>, Shape)>,
 ) -> Vec<ShardTensor<B>> {
-    match prepare(m, grads) {
+    complete(m, prepare(m, grads))
+}
+
+/// A prepared bucket's results, communicating on this thread if needed.
+fn complete<B: Backend>(m: &ModelState<B>, prepared: Prepared<B>) -> Vec<ShardTensor<B>> {
+    match prepared {
         Prepared::Done(reduced) => reduced,
         Prepared::Send(layout, send) => {
             let out =

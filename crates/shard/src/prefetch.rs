@@ -15,10 +15,11 @@
 //! gathered before a step is used after it. A parameter replaced otherwise (a plain Burn
 //! optimizer, a user's mapper) has no tag, so its gathers never use a prefetched result.
 
-use crate::account::{MemKind, waiting, with_kind};
-use crate::ops::policy::{Host, collective_failed, read, write};
+use crate::ShardTensor;
+use crate::account::{MemKind, with_kind};
+use crate::ops::policy::{Host, all_gather_host, read};
 use crate::state::ModelState;
-use crate::tensor::Sharded;
+use crate::tensor::{ParamTag, Sharded};
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::{Backend, TensorMetadata};
 use kiln_comm::{CommQueue, Work};
@@ -37,7 +38,6 @@ pub(crate) struct Prefetch<B: Backend> {
     /// `order[..issued]` has been issued (or passed).
     issued: usize,
     in_flight: VecDeque<Gather>,
-    in_flight_bytes: usize,
     /// Optimizer steps so far: the version of the registered shards.
     version: u64,
     /// Gathers of tagged parameters, and how many found their all-gather already issued.
@@ -69,7 +69,6 @@ impl<B: Backend> Default for Prefetch<B> {
             pos: None,
             issued: 0,
             in_flight: VecDeque::new(),
-            in_flight_bytes: 0,
             version: 0,
             stats: PrefetchStats::default(),
         }
@@ -77,23 +76,12 @@ impl<B: Backend> Default for Prefetch<B> {
 }
 
 impl<B: Backend> Prefetch<B> {
-    /// Registers the current shard of parameter `id` (when parameters are marked).
-    pub fn register(&mut self, id: DistributedParamId, shard: Sharded<B>) {
-        self.shards.insert(id, shard);
-    }
-
-    /// The version of the parameters' current values (see `ParamTag`).
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-
     /// The parameters are about to change (an optimizer step): forget their shards and what
     /// was gathered from them; this step's gathers are the next step's order.
     pub fn invalidate(&mut self) {
         self.version += 1;
         self.shards.clear();
         self.in_flight.clear();
-        self.in_flight_bytes = 0;
         self.pos = None;
         self.issued = 0;
         if !self.recording.is_empty() {
@@ -113,33 +101,45 @@ impl<B: Backend> Prefetch<B> {
     }
 }
 
-/// The whole tensor of parameter `id`'s shard `s`, gathered through the model's queue: taken
-/// from a prefetch when one is in flight for it, and the next parameters prefetched.
+/// `t` as the current value of parameter `mark` of model `m`: the shard of a model with a
+/// communication queue is tagged with the parameter and its version and registered for
+/// prefetching; anything else is unchanged.
+pub(crate) fn track<B: Backend>(
+    m: &ModelState<B>,
+    mark: DistributedParamId,
+    t: ShardTensor<B>,
+) -> ShardTensor<B> {
+    match t {
+        ShardTensor::Sharded(mut s) if m.queue.is_some() => {
+            let mut p = m.prefetch();
+            s.tag = Some(ParamTag {
+                id: mark,
+                version: p.version,
+            });
+            p.shards.insert(mark, s.clone());
+            ShardTensor::Sharded(s)
+        }
+        t => t,
+    }
+}
+
+/// The all-gather of parameter `id`'s shard `s` (value `version`) on the model's queue: the
+/// prefetch in flight for it, or issued now; the next parameters are prefetched.
 pub(crate) fn gather<B: Backend>(
     m: &ModelState<B>,
     queue: &CommQueue,
     id: DistributedParamId,
     version: u64,
     s: &Sharded<B>,
-) -> B::FloatTensorPrimitive {
-    let device = B::float_device(&s.shard);
-    let dtype = s.shard.dtype();
-    let work = {
-        let mut p = m.prefetch();
-        if version != p.version {
-            // A value from before the last step (a copy kept aside): gathered on its own, and
-            // not part of the order.
-            drop(p);
-            submit(queue, s)
-        } else {
-            next(&mut p, queue, id, s, m.config.prefetch_bytes)
-        }
-    };
-    let full = waiting(|| work.wait())
-        .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e));
-    with_kind(MemKind::Gathered, || {
-        write::<B>(full.into_data(s.shape.clone()), &device, dtype)
-    })
+) -> Work<Host> {
+    let mut p = m.prefetch();
+    if version != p.version {
+        // A value from before the last step (a copy kept aside): gathered on its own, and
+        // not part of the order.
+        drop(p);
+        return submit(queue, s);
+    }
+    next(&mut p, queue, id, s, m.config.prefetch_bytes)
 }
 
 /// The all-gather of the current value of `id` (prefetched, or issued now), recording the
@@ -167,7 +167,6 @@ fn next<B: Backend>(
             // flight belongs to the rest of the last pass.
             (Some(b), Some(pos)) if pos <= b => {
                 p.in_flight.clear();
-                p.in_flight_bytes = 0;
                 p.issued = pos + 1;
             }
             (_, Some(pos)) => p.issued = p.issued.max(pos + 1),
@@ -184,12 +183,8 @@ fn next<B: Backend>(
 /// changed, e.g. an evaluation pass) are dropped: they still run, identically on every rank.
 fn take_in_flight<B: Backend>(p: &mut Prefetch<B>, id: DistributedParamId) -> Option<Work<Host>> {
     let at = p.in_flight.iter().position(|g| g.id == id)?;
-    for dropped in p.in_flight.drain(..at) {
-        p.in_flight_bytes -= dropped.bytes;
-    }
-    let g = p.in_flight.pop_front()?;
-    p.in_flight_bytes -= g.bytes;
-    Some(g.work)
+    p.in_flight.drain(..at);
+    p.in_flight.pop_front().map(|g| g.work)
 }
 
 /// After an optimizer step: the first gathers of the next step are issued at once, from the
@@ -211,16 +206,21 @@ fn issue_next<B: Backend>(p: &mut Prefetch<B>, queue: &CommQueue, budget: usize)
     if budget == 0 {
         return;
     }
-    while p.issued < p.order.len() && (p.in_flight.is_empty() || p.in_flight_bytes < budget) {
+    let mut bytes: usize = p.in_flight.iter().map(|g| g.bytes).sum();
+    while p.issued < p.order.len() && (p.in_flight.is_empty() || bytes < budget) {
         let id = p.order[p.issued];
         let Some(shard) = p.shards.get(&id) else {
             // Not registered (yet): stop here rather than skip, so the order stays simple.
             return;
         };
-        let bytes = shard.numel() * shard.shard.dtype().size();
+        let size = shard.numel() * shard.shard.dtype().size();
         let work = submit(queue, shard);
-        p.in_flight.push_back(Gather { id, bytes, work });
-        p.in_flight_bytes += bytes;
+        p.in_flight.push_back(Gather {
+            id,
+            bytes: size,
+            work,
+        });
+        bytes += size;
         p.issued += 1;
     }
 }
@@ -233,11 +233,7 @@ fn submit<B: Backend>(queue: &CommQueue, s: &Sharded<B>) -> Work<Host> {
         Host::from_data(read::<B>(s.shard.clone()))
     });
     let numel = s.numel();
-    let tag = crate::account::tag();
-    queue.submit("all-gather (prefetch)", move |g| {
-        crate::account::set_tag(tag);
-        let mut full = with_kind(MemKind::Gathered, || host.zeros(numel));
-        with_kind(MemKind::Comm, || g.all_gather(host.buf(), full.buf_mut()))?;
-        Ok(full)
+    crate::account::on_queue(queue, "all-gather (prefetch)", move |g| {
+        all_gather_host(g, &host, numel)
     })
 }

@@ -121,7 +121,7 @@ pub struct ShardConfig {
     /// blocks the compute thread where it is issued (the results are the same).
     pub overlap: bool,
     /// ZeRO-3 / hybrid (with `overlap`): all-gathers of the parameters used next are issued
-    /// ahead, in the order learned on the first step (FSDP2's forward and backward prefetch),
+    /// ahead, in the order of the previous step (FSDP2's forward and backward prefetch),
     /// up to this many bytes of whole parameters in flight (at least one parameter; 0: no
     /// prefetch).
     pub prefetch_bytes: usize,

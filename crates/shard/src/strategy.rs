@@ -3,6 +3,7 @@
 
 use crate::hook::reduce;
 use crate::ops::policy::{local, slice_local};
+use crate::prefetch::track;
 use crate::state::{
     Dynamic, InitSync, ModelState, ShardConfig, ShardError, buckets, id_in_model, model_of,
     next_seq, unregister, with_sharded_creation,
@@ -126,9 +127,7 @@ where
             !shard_params,
         )?;
     }
-    // Tags the shards with their parameters' ids, for prefetching.
-    let marks = Marks::<B>::of::<AB, M>(&module);
-    Ok(apply_marks::<B, AB, M>(module, &marks))
+    Ok(module)
 }
 
 /// Gathers every sharded parameter: the whole model on every rank (for saving, evaluation on a
@@ -215,14 +214,20 @@ where
         };
         let trainable = tensor.is_require_grad();
         let shape = Shape::from(tensor.dims().to_vec());
-        let mut tensor = replace_primitive::<B, AB, D>(tensor, |t| match t {
-            ShardTensor::Sharded(s) if shard_params && s.group.name() == group.name() => {
-                ShardTensor::Sharded(s)
-            }
-            t if shard_params => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
-            t => ShardTensor::Local(local(t)),
-        });
         let mark = trainable.then(|| self.state.register(id.val(), shape));
+        let mut tensor = replace_primitive::<B, AB, D>(tensor, |t| {
+            let t = match t {
+                ShardTensor::Sharded(s) if shard_params && s.group.name() == group.name() => {
+                    ShardTensor::Sharded(s)
+                }
+                t if shard_params => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
+                t => ShardTensor::Local(local(t)),
+            };
+            match mark {
+                Some(mark) => track(&self.state, mark, t),
+                None => t,
+            }
+        });
         if let Some(mark) = mark {
             tensor = tensor.set_distributed(mark);
         }
@@ -363,20 +368,11 @@ where
         ) -> Param<Tensor<AB, D>> {
             match self.0.get(param.id) {
                 Some((mark, model)) => {
-                    let (id, tensor, mapper) = param.consume();
-                    // A shard learns which parameter it is the value of, for prefetching.
-                    let tensor = replace_primitive::<B, AB, D>(tensor, |t| match t {
-                        ShardTensor::Sharded(mut s) if s.group.world_size() > 1 => {
-                            let mut p = model.prefetch();
-                            s.tag = Some(crate::tensor::ParamTag {
-                                id: *mark,
-                                version: p.version(),
-                            });
-                            p.register(*mark, s.clone());
-                            ShardTensor::Sharded(s)
-                        }
-                        t => t,
-                    });
+                    let (id, mut tensor, mapper) = param.consume();
+                    if model.queue.is_some() && model.config.strategy.shards_params() {
+                        // The new shard is the value prefetches read from now on.
+                        tensor = replace_primitive::<B, AB, D>(tensor, |t| track(model, *mark, t));
+                    }
                     Param::from_mapped_value(id, tensor.set_distributed(*mark), mapper)
                 }
                 None => param,

@@ -239,7 +239,8 @@ where
     let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len)?;
     let model = M::from_config(&config, device);
     let bucket_bytes = match recipe.parallel.bucket_kib {
-        0 => (model.num_params() * 4 / 4).clamp(256 << 10, 25 << 20),
+        // A quarter of the f32 parameter bytes.
+        0 => model.num_params().clamp(256 << 10, 25 << 20),
         kib => kib << 10,
     };
     let shard_config = ShardConfig::new(strategy)

@@ -53,37 +53,52 @@ pub(crate) fn collective_failed(
 /// communication and only the whole tensor as a gathered parameter (so that a transport buffer
 /// a peer frees later is not mistaken for a whole parameter kept alive).
 pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
-    use crate::account::{MemKind, with_kind};
+    use crate::account::{MemKind, waiting, with_kind};
     if s.group.world_size() == 1 {
         // The one shard is the whole tensor.
         return B::float_reshape(s.shard.clone(), s.shape.clone());
-    }
-    // A parameter's shard goes through its model's communication queue (prefetched there).
-    if let Some(tag) = s.tag
-        && let Some((m, id)) = crate::state::model_of::<B>(tag.id)
-        && let Some(queue) = &m.queue
-    {
-        return crate::prefetch::gather(&m, queue, id, tag.version, s);
     }
     #[cfg(feature = "cuda")]
     if let Some(whole) = crate::on_device::gather(s) {
         return whole;
     }
+    // A parameter's shard goes through its model's communication queue (prefetched there).
+    let queued = s.tag.and_then(|tag| {
+        let (m, id) = crate::state::model_of::<B>(tag.id)?;
+        let queue = m.queue.as_ref()?;
+        Some(crate::prefetch::gather(&m, queue, id, tag.version, s))
+    });
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
-    let host = with_kind(MemKind::Comm, || {
-        Host::from_data(read::<B>(s.shard.clone()))
-    });
-    // The buffer the whole tensor is received into becomes its storage (no copy on Flex).
-    let mut full = with_kind(MemKind::Gathered, || host.zeros(s.numel()));
-    with_kind(MemKind::Comm, || {
-        crate::account::waiting(|| s.group.all_gather(host.buf(), full.buf_mut()))
-            .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e))
-    });
-    drop(host);
+    let full = match queued {
+        Some(work) => waiting(|| work.wait()),
+        None => {
+            let host = with_kind(MemKind::Comm, || {
+                Host::from_data(read::<B>(s.shard.clone()))
+            });
+            waiting(|| all_gather_host(s.group.as_ref(), &host, s.numel()))
+        }
+    }
+    .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e));
     with_kind(MemKind::Gathered, || {
         write::<B>(full.into_data(s.shape.clone()), &device, dtype)
     })
+}
+
+/// The whole buffer of `numel` elements from every rank's `shard`. The buffer the whole tensor
+/// is received into becomes its storage (no copy on Flex), so it counts as a gathered
+/// parameter, the transfer as communication.
+pub(crate) fn all_gather_host(
+    group: &dyn ProcessGroup,
+    shard: &Host,
+    numel: usize,
+) -> kiln_comm::Result<Host> {
+    use crate::account::{MemKind, with_kind};
+    let mut full = with_kind(MemKind::Gathered, || shard.zeros(numel));
+    with_kind(MemKind::Comm, || {
+        group.all_gather(shard.buf(), full.buf_mut())
+    })?;
+    Ok(full)
 }
 
 /// This rank's shard of a whole inner tensor (no communication).
