@@ -180,7 +180,9 @@ fn overlap_and_prefetch_change_nothing_but_timing() {
             assert_eq!(b.losses, o.losses, "{strategy} rank {rank}");
             assert_eq!(b.params, o.params, "{strategy} rank {rank}");
             // Prefetches that the next step does not use (the first step's order includes
-            // reading the initial weights) are sent for nothing: a few gathers.
+            // reading the initial weights) are sent for nothing: a few gathers; and the
+            // prefetches issued when the last step ends are counted if they ran before the
+            // counters were read (timing): up to one more forward's gathers.
             let (bt, ot) = (b.traffic.total_sent(), o.traffic.total_sent());
             if strategy.shards_params() {
                 if rank == 0 {
@@ -189,10 +191,7 @@ fn overlap_and_prefetch_change_nothing_but_timing() {
                         o.prefetch
                     );
                 }
-                assert!(
-                    bt <= ot && ot * 10 <= bt * 11,
-                    "{strategy}: {ot} B vs {bt} B"
-                );
+                assert!(bt <= ot && ot * 4 <= bt * 5, "{strategy}: {ot} B vs {bt} B");
             } else {
                 assert_eq!(bt, ot, "{strategy}");
             }
