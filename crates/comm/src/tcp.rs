@@ -11,7 +11,7 @@ use crate::error::{CommError, Result};
 use crate::group::{GroupCore, GroupOptions, delegate_process_group};
 use crate::store::{StoreClient, StoreServer};
 use crate::transport::{FailureNote, Header, Lane, Mailbox, Message, Transport};
-use std::io::{IoSlice, Read, Write};
+use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -94,17 +94,19 @@ impl Drop for TcpTransport {
 /// the socket takes it all: with `TCP_NODELAY` a header written alone would go out as a
 /// segment of its own.
 fn write_frame(w: &mut TcpStream, header: &[u8], payload: &[u8]) -> std::io::Result<()> {
-    let mut parts = [IoSlice::new(header), IoSlice::new(payload)];
-    let mut rest = &mut parts[..];
-    while !rest.is_empty() {
-        match w.write_vectored(rest) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut rest, n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
+    // `write`, not `write_vectored`: std sends with MSG_NOSIGNAL, while its `writev` would let
+    // a peer that died raise SIGPIPE, which kills a rank silently where SIGPIPE is not ignored
+    // (the `kiln` binary restores its default), instead of the named "lost rank" error.
+    if payload.len() <= 64 << 10 {
+        let mut frame = Vec::with_capacity(header.len() + payload.len());
+        frame.extend_from_slice(header);
+        frame.extend_from_slice(payload);
+        w.write_all(&frame)
+    } else {
+        // Large: no copy; TCP_NODELAY keeps the header from waiting for an ACK.
+        w.write_all(header)?;
+        w.write_all(payload)
     }
-    Ok(())
 }
 
 /// Files the messages from `peer` into `mailbox` until the connection ends. Payloads are read
