@@ -4,6 +4,7 @@
 //! kind of the thread that made it.
 
 use burn::backend::Flex;
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::shard::account::{MemKind, RankAlloc, RankMemory, param_bytes, record_bytes};
@@ -19,6 +20,9 @@ static ALLOC: RankAlloc = RankAlloc;
 type B = kiln::Train<Flex>;
 
 const RANKS: usize = 4;
+
+/// The tests of this file count the same ranks' bytes: they run one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const BATCH: usize = 2;
 const SEQ: usize = 32;
 
@@ -95,6 +99,7 @@ fn step(
 
 #[test]
 fn zero3_holds_no_whole_parameter_between_uses() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = config();
     let d = cfg.n_embd;
     // The largest "layers": the token embedding (tied to the head) and a block.
@@ -171,5 +176,91 @@ fn zero3_holds_no_whole_parameter_between_uses() {
             "rank {rank}: peak {} B, bound {bound} B",
             s.peak
         );
+    }
+}
+
+/// The memory profile that `kiln_shard::step` reports for a ZeRO-3 x4 step: parameters,
+/// gradients and optimizer state are ZeRO's 16Ψ/N (4 + 4 + 8 bytes per parameter, over 4
+/// ranks), and activations are reported on their own, as large as the unsharded model's.
+#[test]
+fn a_zero3_step_reports_zero_formula_model_state_and_activations_apart() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    use kiln::shard::account::StepMemory;
+    let cfg = config();
+    let memory = spawn_ranks(RANKS, |g: LocalGroup| {
+        let rank = g.rank();
+        kiln::shard::account::attribute_to_rank(rank);
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let two_steps = |model: Gpt2<B>| -> (StepMemory, usize, usize) {
+            let psi = model.num_params();
+            let mut optim =
+                ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<B, Gpt2<B>>());
+            let mut model = model;
+            let mut last = None;
+            for n in 0..2 {
+                let (x, y) = batch(rank, n);
+                let (m, stats) = kiln::shard::step(
+                    model,
+                    &mut optim,
+                    1e-3,
+                    &Default::default(),
+                    |m: &Gpt2<B>, _| causal_lm_loss(m.forward(x.clone()), y.clone()),
+                );
+                model = m;
+                last = stats.memory;
+            }
+            let optimizer = record_bytes::<B, _>(optim.to_record());
+            (last.expect("RankAlloc counts"), optimizer, psi)
+        };
+        let plain = two_steps(cfg.init::<B>(&Default::default()));
+        let config = ShardConfig::new(Strategy::Zero3)
+            .with_bucket_bytes(256 << 10)
+            .with_prefetch_bytes(0);
+        let model = shard(cfg.init::<B>(&Default::default()), group, config).unwrap();
+        (plain, two_steps(model))
+    });
+    for (rank, ((plain, _, _), (s, optimizer, psi))) in memory.iter().enumerate() {
+        let tensors = 4 + 12 * config().n_layer; // GPT-2's parameter tensors (a bound)
+        println!(
+            "rank {rank}: Ψ = {psi}; params {} B, grads {} B, optimizer {optimizer} B \
+             (16Ψ/N = {} B); activations {} B (unsharded {} B), backward {} B, gathered {} B, \
+             comm {} B; peak {} B",
+            s.params,
+            s.grads,
+            16 * psi / RANKS,
+            s.peak_of(MemKind::Activations),
+            plain.peak_of(MemKind::Activations),
+            s.peak_of(MemKind::Backward),
+            s.peak_of(MemKind::Gathered),
+            s.peak_of(MemKind::Comm),
+            s.peak
+        );
+        assert_eq!(s.rank, rank);
+        // Each tensor's shard is within one element of numel/N.
+        let near = |got: usize, want: usize, slack: usize| got.abs_diff(want) <= slack;
+        assert!(near(s.params, 4 * psi / RANKS, 4 * tensors), "{s:?}");
+        assert!(near(s.grads, 4 * psi / RANKS, 4 * tensors), "{s:?}");
+        // The record's serialisation adds a few dozen bytes per tensor (shape, type).
+        assert!(
+            *optimizer >= 8 * psi / RANKS - 8 * tensors
+                && *optimizer <= 8 * psi / RANKS + 256 * tensors,
+            "optimizer {optimizer} B, 8Ψ/N = {} B",
+            8 * psi / RANKS
+        );
+        // Unsharded, the same rank holds all of it.
+        assert_eq!(plain.params, 4 * psi);
+        assert_eq!(plain.grads, 4 * psi);
+        // Activations: what forward keeps is the model's, not the strategy's; gathered
+        // parameters are counted apart, never as activations.
+        let (a, p) = (
+            s.peak_of(MemKind::Activations) as f64,
+            plain.peak_of(MemKind::Activations) as f64,
+        );
+        assert!(
+            p > 0.0 && (a - p).abs() <= 0.1 * p,
+            "activations {a} B, unsharded {p} B"
+        );
+        assert!(s.peak_of(MemKind::Gathered) > 0 && plain.peak_of(MemKind::Gathered) == 0);
+        assert!(s.peak >= s.held_before + s.peak_of(MemKind::Activations) / 2);
     }
 }

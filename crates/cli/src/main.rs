@@ -130,6 +130,12 @@ fn keep_freed_memory() {
     }
 }
 
+/// Counts each rank's heap bytes by kind (parameters and optimizer state, activations,
+/// backward, gathered parameters, communication buffers), for the memory table of `kiln
+/// train`'s summary and `metrics.jsonl`; it forwards to the system allocator.
+#[global_allocator]
+static ALLOC: kiln_shard::account::RankAlloc = kiln_shard::account::RankAlloc;
+
 fn main() {
     // Die quietly when the reader of our output goes away (`kiln train | head`), as Unix tools
     // do, instead of panicking on a broken pipe.

@@ -116,7 +116,37 @@ fn a_killed_two_process_run_resumes_with_the_same_losses() {
     let (whole, cut) = (dir.path().join("whole"), dir.path().join("cut"));
     let steps = 150;
     let extra = ["--strategy", "zero2"];
-    run_ok(launch(2, &train_args(&whole, steps, 4, &extra)));
+    let out = run_ok(launch(2, &train_args(&whole, steps, 4, &extra)));
+    // The memory table names both ranks (processes) and lands in the metrics too.
+    for needle in [
+        "memory per rank",
+        "rank 0: peak",
+        "rank 1: peak",
+        "optimizer",
+    ] {
+        assert!(out.contains(needle), "{needle:?} in:\n{out}");
+    }
+    let metrics = std::fs::read_to_string(whole.join("metrics.jsonl")).unwrap();
+    let memory: serde_json::Value = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("memory").cloned())
+        .expect("a memory record");
+    let rows = memory.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (rank, row) in rows.iter().enumerate() {
+        assert_eq!(row["rank"], rank);
+        // ZeRO-2: whole parameters, gradient and optimizer shards (8 bytes of moments for
+        // each 4 of gradient).
+        let (grads, optim) = (
+            row["grads"].as_u64().unwrap(),
+            row["optimizer"].as_u64().unwrap(),
+        );
+        assert!(
+            grads > 0 && optim >= 2 * grads && row["params"].as_u64().unwrap() + 1024 >= 2 * grads
+        );
+        assert!(row["peak_activations"].as_u64().unwrap() > 0, "{row}");
+    }
 
     let mut job = launch(2, &train_args(&cut, steps, 4, &extra))
         .stdout(Stdio::null())

@@ -167,16 +167,44 @@ unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MemKind {
-    /// Everything else: parameters' shards, activations, gradients, optimizer state,
-    /// temporaries.
+    /// Everything outside a step's forward and backward: parameters (their shards), optimizer
+    /// state, the optimizer step's temporaries, data.
     Other = 0,
     /// A whole parameter gathered from its shards (ZeRO-3, hybrid), while it is alive.
     Gathered = 1,
     /// Buffers of the gradient reduction (host staging of buckets, reduced results).
     Comm = 2,
+    /// Made during a step's forward ([`step`](crate::step())): the activations autodiff saves
+    /// for backward and the forward's temporaries.
+    Activations = 3,
+    /// Made during a step's backward: gradients, backward temporaries, and activations
+    /// recomputed by rematerialisation.
+    Backward = 4,
 }
 
-const KINDS: usize = 3;
+impl MemKind {
+    /// Every kind, in counter order.
+    pub const ALL: [MemKind; KINDS] = [
+        MemKind::Other,
+        MemKind::Gathered,
+        MemKind::Comm,
+        MemKind::Activations,
+        MemKind::Backward,
+    ];
+
+    /// A short name for reports and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemKind::Other => "other",
+            MemKind::Gathered => "gathered",
+            MemKind::Comm => "comm",
+            MemKind::Activations => "activations",
+            MemKind::Backward => "backward",
+        }
+    }
+}
+
+const KINDS: usize = 5;
 /// Ranks the per-rank counters distinguish; allocations of higher ranks are not counted.
 pub const MAX_COUNTED_RANKS: usize = 64;
 const NO_RANK: u64 = u64::MAX;
@@ -215,8 +243,9 @@ pub(crate) fn current_rank() -> Option<usize> {
     (tag != NO_RANK).then_some((tag >> 8) as usize)
 }
 
-/// Runs `f` with this thread's allocations counted as `kind`.
-pub(crate) fn with_kind<R>(kind: MemKind, f: impl FnOnce() -> R) -> R {
+/// Runs `f` with this thread's allocations counted as `kind` (for the rank the thread is
+/// attributed to; nothing is counted on a thread without a rank).
+pub fn with_kind<R>(kind: MemKind, f: impl FnOnce() -> R) -> R {
     struct Restore(u64);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -277,7 +306,7 @@ pub(crate) fn on_queue<T: Send + 'static>(
 /// What one rank holds on the heap, by kind, as counted by [`RankAlloc`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RankMemory {
-    /// Live bytes now: [`MemKind::Other`], [`MemKind::Gathered`], [`MemKind::Comm`].
+    /// Live bytes now, by kind ([`MemKind::ALL`]'s order).
     pub live: [usize; KINDS],
     /// The most bytes (all kinds) live at once since [`RankMemory::reset_peak`].
     pub peak: usize,
@@ -403,6 +432,80 @@ unsafe impl std::alloc::GlobalAlloc for RankAlloc {
             let tag = (ptr.sub(8) as *const u64).read();
             Self::count(tag, layout.size(), false);
             std::alloc::System.dealloc(ptr.sub(pad), outer);
+        }
+    }
+}
+
+/// One rank's memory in one training step, as [`step`](crate::step()) measures it when the
+/// program's global allocator is [`RankAlloc`]: what the decorator holds (exact) beside the
+/// heap's peaks by [`MemKind`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepMemory {
+    /// The rank measured.
+    pub rank: usize,
+    /// Bytes of the rank's parameters after the step (shards count their local part).
+    pub params: usize,
+    /// Bytes of the reduced gradients the optimizer received (this rank's part).
+    pub grads: usize,
+    /// Heap bytes the rank held when the step began: parameters, optimizer state, anything
+    /// kept between steps.
+    pub held_before: usize,
+    /// The most heap bytes the rank held at once during the step.
+    pub peak: usize,
+    /// For each kind ([`MemKind::ALL`]'s order), its most live bytes during the step above
+    /// what it held when the step began.
+    pub peak_above_start: [usize; KINDS],
+}
+
+impl StepMemory {
+    /// The most bytes of `kind` live at once during the step, above the step's start: for
+    /// [`MemKind::Activations`], the activation memory of the step.
+    pub fn peak_of(&self, kind: MemKind) -> usize {
+        self.peak_above_start[kind as usize]
+    }
+
+    /// How far the step's peak rose above what the rank held when it began: what a step
+    /// costs beyond the model state.
+    pub fn rise(&self) -> usize {
+        self.peak.saturating_sub(self.held_before)
+    }
+}
+
+/// Measures one step's [`StepMemory`] for the rank this thread is attributed to: `start`
+/// before the step, [`MemoryProbe::finish`] after it.
+#[derive(Debug)]
+pub struct MemoryProbe {
+    rank: usize,
+    start: RankMemory,
+}
+
+impl MemoryProbe {
+    /// Starts a measurement, or `None` when nothing counts (the global allocator is not
+    /// [`RankAlloc`], or this thread has no rank).
+    pub fn start() -> Option<MemoryProbe> {
+        let rank = current_rank().filter(|&r| r < MAX_COUNTED_RANKS)?;
+        if !RankMemory::counting() {
+            return None;
+        }
+        RankMemory::reset_peak(rank);
+        Some(MemoryProbe {
+            rank,
+            start: RankMemory::of(rank),
+        })
+    }
+
+    /// The step's memory, with the decorator's exact parameter and gradient bytes.
+    pub fn finish(self, params: usize, grads: usize) -> StepMemory {
+        let now = RankMemory::of(self.rank);
+        StepMemory {
+            rank: self.rank,
+            params,
+            grads,
+            held_before: self.start.total(),
+            peak: now.peak,
+            peak_above_start: std::array::from_fn(|k| {
+                now.peak_by_kind[k].saturating_sub(self.start.live[k])
+            }),
         }
     }
 }

@@ -10,6 +10,7 @@
 //!
 //! [`no_sync`]: crate::no_sync
 
+use crate::account::{MemKind, MemoryProbe, StepMemory, grad_bytes, param_bytes, with_kind};
 use crate::{Shard, backward, clip_grad_norm, no_sync, reduce_gradients};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
@@ -47,6 +48,9 @@ pub struct StepStats {
     pub loss: f64,
     /// The global gradient norm before clipping, when clipping.
     pub grad_norm: Option<f64>,
+    /// This rank's memory in the step, when the global allocator counts it
+    /// ([`RankAlloc`](crate::account::RankAlloc)) and the thread has a rank.
+    pub memory: Option<StepMemory>,
 }
 
 /// Takes one optimizer step of `model` at learning rate `lr`: `loss(&model, i)` is the loss
@@ -73,21 +77,27 @@ where
         config.accumulate > 0,
         "kiln: a step needs at least one micro-batch"
     );
+    let probe = MemoryProbe::start();
+    let mut forward = |model: &M, i| with_kind(MemKind::Activations, || loss(model, i));
     let mut total = 0.0;
     let grads = if config.accumulate == 1 && !config.no_sync {
-        let l = loss(&model, 0);
+        let l = forward(&model, 0);
         total += l.clone().into_scalar().elem::<f64>();
-        GradientsParams::from_grads(l.backward(), &model)
+        with_kind(MemKind::Backward, || {
+            GradientsParams::from_grads(l.backward(), &model)
+        })
     } else {
         let mut acc = GradientsAccumulator::<M>::new();
         for i in 0..config.accumulate {
-            let l = loss(&model, i);
+            let l = forward(&model, i);
             total += l.clone().into_scalar().elem::<f64>();
-            let grads = if config.no_sync {
-                no_sync(&model, || backward(l, &model))
-            } else {
-                backward(l, &model)
-            };
+            let grads = with_kind(MemKind::Backward, || {
+                if config.no_sync {
+                    no_sync(&model, || backward(l, &model))
+                } else {
+                    backward(l, &model)
+                }
+            });
             acc.accumulate(&model, grads);
         }
         let grads = acc.grads();
@@ -104,12 +114,17 @@ where
         }
         None => (grads, None),
     };
+    let grads_held = probe
+        .as_ref()
+        .map_or(0, |_| grad_bytes::<B, AB, M>(&model, &grads));
     let model = optim.step(lr, model, grads);
+    let memory = probe.map(|p| p.finish(param_bytes::<B, AB, M>(&model), grads_held));
     (
         model,
         StepStats {
             loss: total,
             grad_norm,
+            memory,
         },
     )
 }

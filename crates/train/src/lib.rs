@@ -37,7 +37,9 @@ pub use model::{BYTE_VOCAB, ModelSpec};
 pub use recipe::{
     DEFAULT_TOML, DataRecipe, ModelRecipe, OutputRecipe, ParallelRecipe, Recipe, TrainRecipe,
 };
-pub use run::{RunOptions, Summary, Train, lr_at, train_rank, train_rank_with, validation_batches};
+pub use run::{
+    RankMemory, RunOptions, Summary, Train, lr_at, train_rank, train_rank_with, validation_batches,
+};
 
 use kiln_comm::{LocalGroup, spawn_ranks};
 use std::sync::Arc;

@@ -234,6 +234,7 @@ impl RunInfo {
                 ));
             }
         }
+        lines.extend(memory_lines(&s.memory));
         if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {
             lines.push(format!("training loss {first:.4} -> {last:.4}"));
         }
@@ -260,6 +261,67 @@ impl RunInfo {
         }
         lines
     }
+}
+
+/// The memory table of the summary: each rank's most demanding step (up to 8 ranks; beyond,
+/// the rank with the highest peak and the one with the lowest).
+pub fn memory_lines(memory: &[crate::RankMemory]) -> Vec<String> {
+    use kiln_shard::account::MemKind;
+    if memory.is_empty() {
+        return Vec::new();
+    }
+    let shown: Vec<&crate::RankMemory> = if memory.len() <= 8 {
+        memory.iter().collect()
+    } else {
+        let by_peak = |m: &&crate::RankMemory| m.step.peak;
+        let hi = memory.iter().max_by_key(by_peak);
+        let lo = memory.iter().min_by_key(by_peak);
+        hi.into_iter().chain(lo).collect()
+    };
+    let mut lines = vec![
+        "memory per rank, its step with the highest heap peak (model state | step's rise by kind):"
+            .to_string(),
+    ];
+    for m in shown {
+        let s = &m.step;
+        lines.push(format!(
+            "  rank {}: peak {} = held {} + rise {} | params {}, grads {}, optimizer {} | activations {}, backward {}, gathered {}, comm {}",
+            s.rank,
+            bytes(s.peak),
+            bytes(s.held_before),
+            bytes(s.rise()),
+            bytes(s.params),
+            bytes(s.grads),
+            bytes(m.optimizer),
+            bytes(s.peak_of(MemKind::Activations)),
+            bytes(s.peak_of(MemKind::Backward)),
+            bytes(s.peak_of(MemKind::Gathered)),
+            bytes(s.peak_of(MemKind::Comm)),
+        ));
+    }
+    lines
+}
+
+/// Bytes with a binary unit: `512 B`, `1.5 KiB`, `12.3 MiB`, `2.00 GiB`.
+pub fn bytes(n: usize) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    let digits = if v < 10.0 {
+        2
+    } else if v < 100.0 {
+        1
+    } else {
+        0
+    };
+    format!("{v:.digits$} {}", UNITS[unit])
 }
 
 /// `step 40: validation loss 1.4061`.
@@ -344,5 +406,8 @@ mod tests {
         );
         assert_eq!(clock(3723.0), "1:02:03");
         assert_eq!(human(1.5e6), "1.50M");
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(1536), "1.50 KiB");
+        assert_eq!(bytes(123 << 20), "123 MiB");
     }
 }

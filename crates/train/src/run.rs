@@ -28,6 +28,7 @@ use burn::tensor::{DType, Int, Tensor, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
 use kiln_hf::{CausalLm, GenerateConfig, Pretrained, Sampling, causal_lm_loss, generate};
+use kiln_shard::account::{MemKind, StepMemory};
 use kiln_shard::optimizer_state_group;
 use kiln_shard::pieces::{self, held_range};
 use kiln_shard::{Shard, ShardConfig, ShardTensor, ShardedOptimizer};
@@ -70,6 +71,74 @@ pub struct Summary {
     pub sample: Option<String>,
     /// The newest snapshot written.
     pub snapshot: Option<PathBuf>,
+    /// Every rank's memory in its step with the highest heap peak, in rank order (empty when
+    /// the global allocator does not count per rank; the `kiln` binary's does).
+    pub memory: Vec<RankMemory>,
+}
+
+/// One rank's memory in its most demanding step, beside its optimizer state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankMemory {
+    /// The step's measurement ([`kiln_shard::step`]).
+    pub step: StepMemory,
+    /// Bytes of the rank's optimizer state (its moments; shards count their local part).
+    pub optimizer: usize,
+}
+
+impl RankMemory {
+    const FIELDS: usize = 6 + 5;
+
+    fn to_row(self) -> [i64; Self::FIELDS] {
+        let s = self.step;
+        let mut row = [0i64; Self::FIELDS];
+        let head = [
+            s.rank,
+            s.params,
+            s.grads,
+            self.optimizer,
+            s.held_before,
+            s.peak,
+        ];
+        for (slot, v) in row
+            .iter_mut()
+            .zip(head.into_iter().chain(s.peak_above_start))
+        {
+            *slot = v as i64;
+        }
+        row
+    }
+
+    fn from_row(row: &[i64]) -> RankMemory {
+        let u = |i: usize| row[i] as usize;
+        RankMemory {
+            step: StepMemory {
+                rank: u(0),
+                params: u(1),
+                grads: u(2),
+                held_before: u(4),
+                peak: u(5),
+                peak_above_start: std::array::from_fn(|k| u(6 + k)),
+            },
+            optimizer: u(3),
+        }
+    }
+}
+
+/// Every rank's [`RankMemory`], on every rank (a collective): `mine` is this rank's.
+fn gather_memory(group: &dyn ProcessGroup, mine: Option<RankMemory>) -> Result<Vec<RankMemory>> {
+    let counted = i64::from(mine.is_some());
+    let mut all_counted = [counted];
+    group.all_reduce((&mut all_counted[..]).into(), ReduceOp::Min)?;
+    let Some(mine) = mine.filter(|_| all_counted[0] == 1) else {
+        return Ok(Vec::new());
+    };
+    let row = mine.to_row();
+    let mut table = vec![0i64; RankMemory::FIELDS * group.world_size()];
+    group.all_gather((&row[..]).into(), (&mut table[..]).into())?;
+    Ok(table
+        .chunks(RankMemory::FIELDS)
+        .map(RankMemory::from_row)
+        .collect())
 }
 
 const TENSOR_PREFIX: &str = "model/";
@@ -142,6 +211,21 @@ pub fn train_rank_with<B: Backend>(
             report,
         ),
     }
+}
+
+fn memory_json(m: &RankMemory) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "rank": m.step.rank,
+        "params": m.step.params,
+        "grads": m.step.grads,
+        "optimizer": m.optimizer,
+        "held_before": m.step.held_before,
+        "peak": m.step.peak,
+    });
+    for kind in MemKind::ALL {
+        v[format!("peak_{}", kind.name())] = m.step.peak_of(kind).into();
+    }
+    v
 }
 
 /// The learning rate of step `step` (1-based): linear warmup, then cosine decay to
@@ -313,6 +397,8 @@ where
     };
     // Exposed communication: how long this rank's thread waits on collectives during steps.
     let (mut step_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
+    // This rank's most demanding step, by heap peak.
+    let mut worst: Option<StepMemory> = None;
     for step in first_step + 1..=last_step {
         let step_start = Instant::now();
         let wait_start = kiln_shard::account::comm_wait(group.rank());
@@ -330,6 +416,11 @@ where
             causal_lm_loss(m.forward(x.clone()), y.clone())
         });
         model = stepped;
+        if let Some(m) = stats.memory
+            && worst.is_none_or(|w| m.peak > w.peak)
+        {
+            worst = Some(m);
+        }
         let grad_norm = stats.grad_norm;
         optimizer_time += 1;
         let loss = all_mean(group.as_ref(), stats.loss)?;
@@ -355,6 +446,8 @@ where
             "tokens_per_s": tokens_per_s,
             "elapsed_s": elapsed_s,
             "comm_wait_s": waited.as_secs_f64(),
+            "mem_peak_bytes": stats.memory.map(|m| m.peak),
+            "mem_activation_bytes": stats.memory.map(|m| m.peak_of(MemKind::Activations)),
         }))?;
         report.report(Event::Step(&StepStats {
             step,
@@ -410,6 +503,17 @@ where
         format!("{}|{}", tok.decode(&prompt), tok.decode(&new))
     });
 
+    // The optimizer's state is measured once, at the end (its size is fixed after step 1).
+    let mine = worst.map(|step| RankMemory {
+        step,
+        optimizer: kiln_shard::account::record_bytes::<Train<B>, _>(optim.to_record()),
+    });
+    let memory = gather_memory(group.as_ref(), mine)?;
+    if !memory.is_empty() {
+        let rows: Vec<serde_json::Value> = memory.iter().map(memory_json).collect();
+        metrics.record(serde_json::json!({ "memory": rows }))?;
+    }
+
     let steps_run = last_step.saturating_sub(first_step);
     let tokens_per_s = metrics.tokens_per_s(first_step + steps_run, tokens_per_step);
     let summary = Summary {
@@ -421,6 +525,7 @@ where
         sample,
         snapshot: last_snapshot,
         losses,
+        memory,
     };
     report.report(Event::Finished {
         summary: &summary,
