@@ -25,6 +25,9 @@ pub struct TrainArgs {
     /// parallel.strategy: ddp, zero1, zero2, zero3 (fsdp), hybrid:S.
     #[arg(long)]
     strategy: Option<String>,
+    /// train.remat: off, or balanced (activations of memory-bound ops recomputed in backward).
+    #[arg(long)]
+    remat: Option<String>,
     /// data.source: "synthetic" or a UTF-8 text file.
     #[arg(long)]
     data: Option<String>,
@@ -72,6 +75,7 @@ impl TrainArgs {
         put("train.steps", self.steps.map(|v| v.to_string()));
         put("parallel.ranks", self.ranks.map(|v| v.to_string()));
         put("parallel.strategy", self.strategy.clone().map(quote));
+        put("train.remat", self.remat.clone().map(quote));
         put("data.source", self.data.clone().map(quote));
         put(
             "output.dir",

@@ -168,11 +168,19 @@ fn a_killed_two_process_run_resumes_with_the_same_losses() {
     let killed_at = latest_step(&cut).unwrap();
     assert!(killed_at < steps, "the run finished before it was killed");
 
+    // Resumed with activation checkpointing: remat changes what is kept for backward, never
+    // the numbers (bitwise equal losses below).
     let resumed = run_ok(launch(
         2,
-        &train_args(&cut, steps, 4, &[&extra[..], &["--resume"]].concat()),
+        &train_args(
+            &cut,
+            steps,
+            4,
+            &[&extra[..], &["--resume", "--remat", "balanced"]].concat(),
+        ),
     ));
     assert!(resumed.contains("resuming from"), "{resumed}");
+    assert!(resumed.contains("with remat balanced"), "{resumed}");
     let (a, b) = (losses(&whole), losses(&cut));
     assert_eq!(a.len(), steps);
     assert_eq!(a, b, "losses after resuming from step {killed_at} differ");
@@ -281,6 +289,10 @@ fn bad_inputs_are_named() {
     let run = dir.path().join("run");
     let p = |x: &PathBuf| x.display().to_string();
 
+    fails_with(
+        train_args(&run, 2, 0, &["--remat", "sometimes"]),
+        &[r#"train.remat must be "off" or "balanced", got "sometimes""#],
+    );
     fails_with(
         train_args(&run, 2, 0, &["--data", "/no/such/corpus.txt"]),
         &["cannot read the data file /no/such/corpus.txt"],

@@ -32,6 +32,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
 pub use burn::backend::{Autodiff, Flex};
 pub use kiln_comm as comm;
 pub use kiln_shard as shard;
@@ -39,8 +40,12 @@ pub use kiln_shard as shard;
 /// kiln's decorators over the inner backend `B` (for inference and as `Autodiff`'s inner).
 pub type Kiln<B> = kiln_shard::Shard<B>;
 
-/// The training stack over the inner backend `B`.
-pub type Train<B> = Autodiff<Kiln<B>>;
+/// The training stack over the inner backend `B`, with autodiff's checkpointing strategy `C`:
+/// none by default, or Burn's op-level [`BalancedCheckpointing`] (`Train<Flex,
+/// BalancedCheckpointing>`): the outputs of memory-bound ops (elementwise, activations,
+/// layout) are recomputed in backward from kept inputs instead of kept themselves. Every kiln
+/// API (sharding, the gradient hook, [`shard::step`]) works with either.
+pub type Train<B, C = NoCheckpointing> = Autodiff<Kiln<B>, C>;
 
 /// Burn's CUDA backend (feature `cuda`).
 #[cfg(feature = "cuda")]
@@ -63,5 +68,9 @@ mod tests {
         let device = Default::default();
         assert_eq!(Kiln::<Flex>::name(&device), "kiln<flex>");
         assert_eq!(Train::<Flex>::name(&device), "autodiff<kiln<flex>>");
+        assert_eq!(
+            Train::<Flex, BalancedCheckpointing>::name(&device),
+            "autodiff<kiln<flex>>"
+        );
     }
 }

@@ -31,7 +31,7 @@ where
     M: Pretrained<Train<Flex>> + AutodiffModule<Train<Flex>>,
 {
     let model = M::from_config(config, &Default::default());
-    let model = load_params::<Flex, M>(model, snap)?;
+    let model = load_params::<Flex, _, M>(model, snap)?;
     model.save_pretrained(config, out)?;
     Ok(out.join(kiln_hf::WEIGHTS_FILE))
 }

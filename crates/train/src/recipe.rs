@@ -116,6 +116,37 @@ pub struct TrainRecipe {
     pub seed: u64,
     /// Characters of text generated after training (0: none).
     pub sample_chars: usize,
+    /// Activation rematerialisation: `off`, or `balanced` (Burn's op-level checkpointing:
+    /// the outputs of memory-bound ops are recomputed in backward instead of kept).
+    #[serde(default = "default_remat")]
+    pub remat: String,
+}
+
+fn default_remat() -> String {
+    "off".into()
+}
+
+/// How activations are kept for backward ([`TrainRecipe::remat`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Remat {
+    /// Every activation autodiff needs is kept from forward to backward.
+    Off,
+    /// Burn's `BalancedCheckpointing`: memory-bound ops (elementwise, activations, layout) are
+    /// recomputed from their kept inputs in backward; compute-bound ops' outputs are kept.
+    Balanced,
+}
+
+impl std::str::FromStr for Remat {
+    type Err = TrainError;
+    fn from_str(s: &str) -> Result<Remat> {
+        match s {
+            "off" => Ok(Remat::Off),
+            "balanced" => Ok(Remat::Balanced),
+            other => Err(TrainError::Recipe(format!(
+                "train.remat must be \"off\" or \"balanced\", got {other:?}"
+            ))),
+        }
+    }
 }
 
 impl Default for TrainRecipe {
@@ -135,6 +166,7 @@ impl Default for TrainRecipe {
             eval_batches: 4,
             seed: 1234,
             sample_chars: 160,
+            remat: default_remat(),
         }
     }
 }
@@ -296,7 +328,16 @@ impl Recipe {
             fail!(Recipe, "output.keep must be at least 1");
         }
         self.strategy()?;
+        self.remat()?;
         Ok(())
+    }
+
+    /// The parsed rematerialisation mode.
+    ///
+    /// # Errors
+    /// An unknown mode.
+    pub fn remat(&self) -> Result<Remat> {
+        self.train.remat.parse()
     }
 
     /// The parsed strategy.

@@ -19,6 +19,8 @@ pub struct RunInfo {
     pub params: usize,
     /// The strategy, as the recipe names it.
     pub strategy: String,
+    /// The rematerialisation mode (`train.remat`).
+    pub remat: String,
     /// Ranks of the job.
     pub world_size: usize,
     /// Tokens of one step over all ranks.
@@ -157,10 +159,14 @@ impl RunInfo {
     pub fn start_lines(&self) -> [String; 3] {
         [
             format!(
-                "kiln train: {} with {} parameters, {} on {} rank(s), {} tokens per step",
+                "kiln train: {} with {} parameters, {}{} on {} rank(s), {} tokens per step",
                 self.model_kind,
                 human(self.params as f64),
                 self.strategy,
+                match self.remat.as_str() {
+                    "off" => String::new(),
+                    r => format!(" with remat {r}"),
+                },
                 self.world_size,
                 self.tokens_per_step
             ),
@@ -364,6 +370,7 @@ mod tests {
             model_kind: "gpt2".into(),
             params: 121_000,
             strategy: "zero3".into(),
+            remat: "off".into(),
             world_size: 2,
             tokens_per_step: 1024,
             data: "synthetic".into(),

@@ -14,10 +14,14 @@ use crate::data::{Corpus, SplitMix64, batch, mix};
 use crate::error::{IoContext, Result, TrainError, fail};
 use crate::metrics::Metrics;
 use crate::model::ModelSpec;
+use crate::recipe::Remat;
 use crate::report::{Event, Log, Report, Resumed, RunInfo, Silent, StepStats};
 use crate::snapshot::{self, Meta, Part, Snapshot};
 use crate::{Recipe, init};
 use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
@@ -36,8 +40,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Autodiff over kiln's sharding decorator over `B`.
-pub type Train<B> = Autodiff<Shard<B>>;
+/// Autodiff over kiln's sharding decorator over `B`, with activation checkpointing `C`
+/// (`train.remat`: none, or Burn's op-level `BalancedCheckpointing`).
+pub type Train<B, C = NoCheckpointing> = Autodiff<Shard<B>, C>;
 
 /// How a run starts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -191,8 +196,24 @@ pub fn train_rank_with<B: Backend>(
             spec.max_positions()
         );
     }
+    match recipe.remat()? {
+        Remat::Off => by_model::<B, NoCheckpointing>(recipe, spec, group, options, device, report),
+        Remat::Balanced => {
+            by_model::<B, BalancedCheckpointing>(recipe, spec, group, options, device, report)
+        }
+    }
+}
+
+fn by_model<B: Backend, C: CheckpointStrategy>(
+    recipe: &Recipe,
+    spec: ModelSpec,
+    group: Arc<dyn ProcessGroup>,
+    options: RunOptions,
+    device: &B::Device,
+    report: &mut dyn Report,
+) -> Result<Summary> {
     match spec {
-        ModelSpec::Gpt2(c) => run::<B, kiln_gpt2::Gpt2<Train<B>>>(
+        ModelSpec::Gpt2(c) => run::<B, C, kiln_gpt2::Gpt2<Train<B, C>>>(
             recipe,
             ModelSpec::Gpt2(c.clone()),
             c,
@@ -201,7 +222,7 @@ pub fn train_rank_with<B: Backend>(
             device,
             report,
         ),
-        ModelSpec::Llama(c) => run::<B, kiln_llama::Llama<Train<B>>>(
+        ModelSpec::Llama(c) => run::<B, C, kiln_llama::Llama<Train<B, C>>>(
             recipe,
             ModelSpec::Llama(c.clone()),
             c,
@@ -246,7 +267,7 @@ fn all_mean(group: &dyn ProcessGroup, value: f64) -> Result<f64> {
     Ok(f64::from(buf[0]))
 }
 
-fn run<B, M>(
+fn run<B, C, M>(
     recipe: &Recipe,
     spec: ModelSpec,
     config: M::Config,
@@ -257,7 +278,8 @@ fn run<B, M>(
 ) -> Result<Summary>
 where
     B: Backend,
-    M: Pretrained<Train<B>> + CausalLm<Train<B>> + AutodiffModule<Train<B>>,
+    C: CheckpointStrategy,
+    M: Pretrained<Train<B, C>> + CausalLm<Train<B, C>> + AutodiffModule<Train<B, C>>,
     M::InnerModule: CausalLm<Shard<B>>,
 {
     let (rank, world) = (group.rank(), group.world_size());
@@ -335,12 +357,12 @@ where
         .with_beta_1(t.beta1 as f32)
         .with_beta_2(t.beta2 as f32)
         .with_weight_decay(t.weight_decay as f32);
-    let mut optim = ShardedOptimizer::<_, B>::new(optim_config.init::<Train<B>, M>());
+    let mut optim = ShardedOptimizer::<_, B>::new(optim_config.init::<Train<B, C>, M>());
     let (mut model, first_step, mut rng, mut optimizer_time) = match &resume_from {
         Some(snap) => {
-            let model = load_params::<B, M>(model, snap)?;
+            let model = load_params::<B, C, M>(model, snap)?;
             let meta = &snap.manifest.meta;
-            let record = load_optimizer::<B, M>(&model, snap, meta.optimizer_time, device)?;
+            let record = load_optimizer::<B, C, M>(&model, snap, meta.optimizer_time, device)?;
             optim = optim.load_record(record);
             (
                 model,
@@ -356,7 +378,7 @@ where
                     kiln_shard::remark(&model);
                     model
                 }
-                None => init::init::<B, Train<B>, M>(model, t.seed),
+                None => init::init::<B, Train<B, C>, M>(model, t.seed),
             };
             (model, 0, SplitMix64(mix(t.seed)), 0)
         }
@@ -369,6 +391,7 @@ where
         model_kind: spec.kind().into(),
         params: model.num_params(),
         strategy: strategy.to_string(),
+        remat: t.remat.clone(),
         world_size: world,
         tokens_per_step,
         data: corpus.description.clone(),
@@ -411,7 +434,7 @@ where
             rank,
             world,
         );
-        let (x, y) = tensors::<Train<B>>(&b, device);
+        let (x, y) = tensors::<Train<B, C>>(&b, device);
         let (stepped, stats) = kiln_shard::step(model, &mut optim, lr, &step_config, |m, _| {
             causal_lm_loss(m.forward(x.clone()), y.clone())
         });
@@ -459,7 +482,7 @@ where
         }));
 
         if t.eval_every > 0 && step.is_multiple_of(t.eval_every) || step == last_step {
-            val_loss = evaluate::<B, M>(&model, &corpus, recipe, group.as_ref(), device)?;
+            val_loss = evaluate::<B, C, M>(&model, &corpus, recipe, group.as_ref(), device)?;
             evaluated_at = Some(step);
             if let Some(v) = val_loss {
                 metrics.record(serde_json::json!({"step": step, "val_loss": v}))?;
@@ -478,13 +501,13 @@ where
                 optimizer_time,
                 recipe: recipe.to_toml(),
             };
-            let dir = save::<B, M>(&model, &optim, &meta, group.as_ref(), recipe)?;
+            let dir = save::<B, C, M>(&model, &optim, &meta, group.as_ref(), recipe)?;
             report.report(Event::Saved { step, dir: &dir });
             last_snapshot = Some(dir);
         }
     }
     if evaluated_at != Some(last_step) {
-        val_loss = evaluate::<B, M>(&model, &corpus, recipe, group.as_ref(), device)?;
+        val_loss = evaluate::<B, C, M>(&model, &corpus, recipe, group.as_ref(), device)?;
     }
 
     let sample = (t.sample_chars > 0 && last_step == t.steps).then(|| {
@@ -506,7 +529,7 @@ where
     // The optimizer's state is measured once, at the end (its size is fixed after step 1).
     let mine = worst.map(|step| RankMemory {
         step,
-        optimizer: kiln_shard::account::record_bytes::<Train<B>, _>(optim.to_record()),
+        optimizer: kiln_shard::account::record_bytes::<Train<B, C>, _>(optim.to_record()),
     });
     let memory = gather_memory(group.as_ref(), mine)?;
     if !memory.is_empty() {
@@ -570,7 +593,7 @@ pub fn validation_batches(
 
 /// The mean validation loss over `eval_batches` fixed batches (the same every time and at
 /// every world size), or `None` when there are none.
-fn evaluate<B, M>(
+fn evaluate<B, C, M>(
     model: &M,
     corpus: &Corpus,
     recipe: &Recipe,
@@ -579,7 +602,8 @@ fn evaluate<B, M>(
 ) -> Result<Option<f64>>
 where
     B: Backend,
-    M: AutodiffModule<Train<B>>,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>>,
     M::InnerModule: CausalLm<Shard<B>>,
 {
     let t = &recipe.train;
@@ -617,24 +641,25 @@ fn part_of<B: Backend>(name: String, t: &ShardTensor<B>, world: usize, rank: usi
     }
 }
 
-fn save<B, M>(
+fn save<B, C, M>(
     model: &M,
-    optim: &ShardedOptimizer<OptimizerAdaptor<AdamW, M, Train<B>>, B>,
+    optim: &ShardedOptimizer<OptimizerAdaptor<AdamW, M, Train<B, C>>, B>,
     meta: &Meta,
     group: &dyn ProcessGroup,
     recipe: &Recipe,
 ) -> Result<PathBuf>
 where
     B: Backend,
-    M: AutodiffModule<Train<B>>,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>>,
 {
     let (world, rank) = (group.world_size(), group.rank());
     let mut parts = Vec::new();
-    pieces::visit_params::<B, Train<B>, M>(model, |path, _, t| {
+    pieces::visit_params::<B, Train<B, C>, M>(model, |path, _, t| {
         parts.push(part_of(format!("{TENSOR_PREFIX}{path}"), t, world, rank));
     });
     let mut record = optim.to_record();
-    let mut moments = OptimizerState::<B> {
+    let mut moments = OptimizerState::<B, C> {
         path: Vec::new(),
         record: &mut record,
         out: Vec::new(),
@@ -653,23 +678,23 @@ where
     )
 }
 
-type Record<B> = HashMap<ParamId, AdaptorRecord<AdamW, Train<B>>>;
+type Record<B, C> = HashMap<ParamId, AdaptorRecord<AdamW, Train<B, C>>>;
 
 /// Collects each trained parameter's AdamW moments, with its module path.
-struct OptimizerState<'a, B: Backend> {
+struct OptimizerState<'a, B: Backend, C: CheckpointStrategy> {
     path: Vec<String>,
-    record: &'a mut HashMap<ParamId, AdaptorRecord<AdamW, Train<B>>>,
+    record: &'a mut HashMap<ParamId, AdaptorRecord<AdamW, Train<B, C>>>,
     out: Vec<(String, ShardTensor<B>, ShardTensor<B>)>,
 }
 
-impl<B: Backend> ModuleVisitor<Train<B>> for OptimizerState<'_, B> {
+impl<B: Backend, C: CheckpointStrategy> ModuleVisitor<Train<B, C>> for OptimizerState<'_, B, C> {
     fn enter_module(&mut self, name: &str, _: &str) {
         self.path.push(name.to_string());
     }
     fn exit_module(&mut self, _: &str, _: &str) {
         self.path.pop();
     }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train<B>, D>>) {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train<B, C>, D>>) {
         if let Some(r) = self.record.remove(&param.id) {
             let state: AdamWState<Shard<B>, D> = r.into_state();
             self.out.push((
@@ -681,13 +706,14 @@ impl<B: Backend> ModuleVisitor<Train<B>> for OptimizerState<'_, B> {
     }
 }
 
-pub(crate) fn load_params<B, M>(model: M, snap: &Snapshot) -> Result<M>
+pub(crate) fn load_params<B, C, M>(model: M, snap: &Snapshot) -> Result<M>
 where
     B: Backend,
-    M: AutodiffModule<Train<B>>,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>>,
 {
     let mut error = None;
-    let model = pieces::map_params::<B, Train<B>, M>(model, |path, t| {
+    let model = pieces::map_params::<B, Train<B, C>, M>(model, |path, t| {
         let range = held_range(t);
         let shape = t.shape().as_slice().to_vec();
         match snap.read(&format!("{TENSOR_PREFIX}{path}"), &shape, range.clone()) {
@@ -706,26 +732,27 @@ where
 
 /// AdamW's record for `model`'s parameters from the snapshot, laid out as this run's strategy
 /// keeps optimizer state (whole, or sharded over the optimizer's group).
-fn load_optimizer<B, M>(
+fn load_optimizer<B, C, M>(
     model: &M,
     snap: &Snapshot,
     time: usize,
     device: &B::Device,
-) -> Result<Record<B>>
+) -> Result<Record<B, C>>
 where
     B: Backend,
-    M: AutodiffModule<Train<B>>,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>>,
 {
-    struct Load<'a, B: Backend> {
+    struct Load<'a, B: Backend, C: CheckpointStrategy> {
         path: Vec<String>,
         snap: &'a Snapshot,
         time: usize,
         group: Option<Arc<dyn ProcessGroup>>,
         device: &'a B::Device,
-        record: HashMap<ParamId, AdaptorRecord<AdamW, Train<B>>>,
+        record: HashMap<ParamId, AdaptorRecord<AdamW, Train<B, C>>>,
         error: Option<TrainError>,
     }
-    impl<B: Backend> Load<'_, B> {
+    impl<B: Backend, C: CheckpointStrategy> Load<'_, B, C> {
         fn moment<const D: usize>(
             &self,
             name: String,
@@ -746,14 +773,14 @@ where
             )))
         }
     }
-    impl<B: Backend> ModuleVisitor<Train<B>> for Load<'_, B> {
+    impl<B: Backend, C: CheckpointStrategy> ModuleVisitor<Train<B, C>> for Load<'_, B, C> {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.path.push(name.to_string());
         }
         fn exit_module(&mut self, _: &str, _: &str) {
             self.path.pop();
         }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train<B>, D>>) {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train<B, C>, D>>) {
             let path = self.path.join(".");
             let m1 = format!("{M1_PREFIX}{path}");
             if self.error.is_some() || !self.snap.manifest.tensors.contains_key(&m1) {
@@ -773,7 +800,7 @@ where
             }
         }
     }
-    let mut load = Load::<B> {
+    let mut load = Load::<B, C> {
         path: Vec::new(),
         snap,
         time,
