@@ -25,7 +25,8 @@ pub struct TrainArgs {
     /// parallel.strategy: ddp, zero1, zero2, zero3 (fsdp), hybrid:S.
     #[arg(long)]
     strategy: Option<String>,
-    /// train.remat: off, or balanced (activations of memory-bound ops recomputed in backward).
+    /// train.remat: off; balanced (memory-bound ops recomputed in backward); budget=SIZE
+    /// (activations held to SIZE per rank, e.g. budget=64MiB; the rest recomputed).
     #[arg(long)]
     remat: Option<String>,
     /// data.source: "synthetic" or a UTF-8 text file.

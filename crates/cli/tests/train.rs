@@ -291,7 +291,9 @@ fn bad_inputs_are_named() {
 
     fails_with(
         train_args(&run, 2, 0, &["--remat", "sometimes"]),
-        &[r#"train.remat must be "off" or "balanced", got "sometimes""#],
+        &[
+            r#"train.remat must be "off", "balanced" or "budget=SIZE" (e.g. budget=64MiB), got "sometimes""#,
+        ],
     );
     fails_with(
         train_args(&run, 2, 0, &["--data", "/no/such/corpus.txt"]),

@@ -132,6 +132,8 @@ pub struct Options {
     pub no_sync: bool,
     /// [`ShardConfig::overlap`]: communication on its own thread, ZeRO-3 prefetch.
     pub overlap: bool,
+    /// [`StepConfig::remat_budget`](crate::StepConfig::remat_budget).
+    pub remat_budget: Option<usize>,
 }
 
 impl Default for Options {
@@ -143,6 +145,7 @@ impl Default for Options {
             accumulate: 1,
             no_sync: false,
             overlap: true,
+            remat_budget: None,
         }
     }
 }
@@ -243,6 +246,7 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         accumulate: opts.accumulate,
         no_sync: opts.no_sync && group.is_some(),
         clip: opts.clip,
+        remat_budget: opts.remat_budget,
     };
     for step in 0..opts.steps {
         let micro = local / opts.accumulate;

@@ -33,6 +33,7 @@ mod ops;
 mod optim;
 pub mod pieces;
 mod prefetch;
+pub mod remat;
 mod state;
 mod step;
 mod strategy;

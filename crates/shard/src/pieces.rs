@@ -38,6 +38,9 @@ pub fn held_range<B: Backend>(t: &ShardTensor<B>) -> Range<usize> {
         ShardTensor::Local(t) => 0..t.shape().num_elements(),
         ShardTensor::Sharded(s) => shard_range(s.numel(), s.group.world_size(), s.group.rank()),
         ShardTensor::View(_) => panic!("kiln: a snapshot piece of a view (not a parameter)"),
+        ShardTensor::Remat(_) => {
+            panic!("kiln: a snapshot piece of an activation (not a parameter)")
+        }
     }
 }
 
@@ -94,6 +97,7 @@ pub fn like<B: Backend>(like: &ShardTensor<B>, values: Vec<f32>) -> ShardTensor<
         ShardTensor::Local(t) => (B::float_device(t), t.dtype(), None),
         ShardTensor::Sharded(s) => (B::float_device(&s.shard), s.shard.dtype(), Some(&s.group)),
         ShardTensor::View(_) => panic!("kiln: new values for a view (not a parameter)"),
+        ShardTensor::Remat(_) => panic!("kiln: new values for an activation (not a parameter)"),
     };
     from_values::<B>(like.shape(), values, group, &device, dtype)
 }

@@ -11,6 +11,7 @@
 //! [`no_sync`]: crate::no_sync
 
 use crate::account::{MemKind, MemoryProbe, StepMemory, grad_bytes, param_bytes, with_kind};
+use crate::remat::{Pool, RematStats, recording};
 use crate::{Shard, backward, clip_grad_norm, no_sync, reduce_gradients};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
@@ -29,6 +30,10 @@ pub struct StepConfig {
     pub no_sync: bool,
     /// Clip the global gradient norm to this (over all ranks and shards).
     pub clip: Option<f64>,
+    /// Rematerialise activations to keep them under this many bytes per rank (see
+    /// [`remat`](crate::remat)): forward's whole-tensor ops are recorded, values are given up
+    /// under the budget and recomputed when backward reads them. `None`: keep everything.
+    pub remat_budget: Option<usize>,
 }
 
 impl Default for StepConfig {
@@ -37,6 +42,7 @@ impl Default for StepConfig {
             accumulate: 1,
             no_sync: false,
             clip: None,
+            remat_budget: None,
         }
     }
 }
@@ -51,6 +57,8 @@ pub struct StepStats {
     /// This rank's memory in the step, when the global allocator counts it
     /// ([`RankAlloc`](crate::account::RankAlloc)) and the thread has a rank.
     pub memory: Option<StepMemory>,
+    /// What rematerialisation did, under [`StepConfig::remat_budget`].
+    pub remat: Option<RematStats>,
 }
 
 /// Takes one optimizer step of `model` at learning rate `lr`: `loss(&model, i)` is the loss
@@ -78,7 +86,13 @@ where
         "kiln: a step needs at least one micro-batch"
     );
     let probe = MemoryProbe::start();
-    let mut forward = |model: &M, i| with_kind(MemKind::Activations, || loss(model, i));
+    let pool = config.remat_budget.map(Pool::new);
+    let mut forward = |model: &M, i| {
+        with_kind(MemKind::Activations, || match &pool {
+            Some(pool) => recording(pool, || loss(model, i)),
+            None => loss(model, i),
+        })
+    };
     let mut total = 0.0;
     let grads = if config.accumulate == 1 && !config.no_sync {
         let l = forward(&model, 0);
@@ -125,6 +139,7 @@ where
             loss: total,
             grad_norm,
             memory,
+            remat: pool.map(|p| p.stats()),
         },
     )
 }

@@ -24,6 +24,9 @@ pub enum ShardTensor<B: Backend> {
     /// reshaped for broadcasting): the whole parameter would live from forward to backward,
     /// breaking ZeRO-3's "gathered on use, dropped after".
     View(View<B>),
+    /// A whole tensor recorded for rematerialisation (inside a step's forward under a memory
+    /// budget): its value may be given up and computed again when read (see [`crate::remat`]).
+    Remat(crate::remat::Handle<B>),
 }
 
 /// A shard seen through layout ops: `ops` applied in order to the gathered `base`.
@@ -147,6 +150,7 @@ impl<B: Backend> TensorMetadata for ShardTensor<B> {
             ShardTensor::Local(t) => t.dtype(),
             ShardTensor::Sharded(s) => s.shard.dtype(),
             ShardTensor::View(v) => v.base.shard.dtype(),
+            ShardTensor::Remat(h) => h.dtype(),
         }
     }
 
@@ -155,6 +159,7 @@ impl<B: Backend> TensorMetadata for ShardTensor<B> {
             ShardTensor::Local(t) => t.shape(),
             ShardTensor::Sharded(s) => s.shape.clone(),
             ShardTensor::View(v) => v.shape.clone(),
+            ShardTensor::Remat(h) => h.shape(),
         }
     }
 }
@@ -171,6 +176,7 @@ impl<B: Backend> ShardTensor<B> {
             ShardTensor::Local(t) => (t.shape().num_elements(), t.dtype()),
             ShardTensor::Sharded(s) => (s.shard.shape().num_elements(), s.shard.dtype()),
             ShardTensor::View(v) => (v.base.shard.shape().num_elements(), v.base.shard.dtype()),
+            ShardTensor::Remat(h) => (h.shape().num_elements(), h.dtype()),
         };
         numel * dtype.size()
     }

@@ -114,7 +114,21 @@ const CLIP_ACC: Options = Options {
     accumulate: 2,
     no_sync: false,
     overlap: true,
+    remat_budget: None,
 };
+
+/// Rematerialisation under a small budget (8 KiB: most activations given up and recomputed
+/// in backward, parameters gathered again under ZeRO-3) with clipping and accumulation, every
+/// strategy: N ranks still equal one device.
+#[test]
+fn a_transformer_with_remat_under_a_budget_every_strategy() {
+    let opts = Options {
+        remat_budget: Some(8 << 10),
+        steps: 6,
+        ..CLIP_ACC
+    };
+    check(tiny, &ALL, &[2, 3], opts);
+}
 
 #[test]
 fn mlp_every_strategy_world_1_to_4() {

@@ -116,8 +116,10 @@ pub struct TrainRecipe {
     pub seed: u64,
     /// Characters of text generated after training (0: none).
     pub sample_chars: usize,
-    /// Activation rematerialisation: `off`, or `balanced` (Burn's op-level checkpointing:
-    /// the outputs of memory-bound ops are recomputed in backward instead of kept).
+    /// Activation rematerialisation: `off`; `balanced` (Burn's op-level checkpointing: the
+    /// outputs of memory-bound ops are recomputed in backward instead of kept); or
+    /// `budget=SIZE` (kiln's: activations held to SIZE bytes per rank, e.g. `budget=64MiB`,
+    /// the rest recomputed when backward needs them).
     #[serde(default = "default_remat")]
     pub remat: String,
 }
@@ -134,6 +136,28 @@ pub enum Remat {
     /// Burn's `BalancedCheckpointing`: memory-bound ops (elementwise, activations, layout) are
     /// recomputed from their kept inputs in backward; compute-bound ops' outputs are kept.
     Balanced,
+    /// kiln's budgeted rematerialisation ([`kiln_shard::remat`]): recorded activations are held
+    /// to this many bytes per rank, the rest recomputed on use.
+    Budget(usize),
+}
+
+/// A size in bytes: `1048576`, `512KiB`, `64MiB`, `2GiB` (also `K`, `M`, `G`, `KB`, `MB`,
+/// `GB`, all powers of 1024).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let number: f64 = number.parse().ok()?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        _ => return None,
+    };
+    (number >= 0.0).then_some((number * scale) as usize)
 }
 
 impl std::str::FromStr for Remat {
@@ -142,9 +166,13 @@ impl std::str::FromStr for Remat {
         match s {
             "off" => Ok(Remat::Off),
             "balanced" => Ok(Remat::Balanced),
-            other => Err(TrainError::Recipe(format!(
-                "train.remat must be \"off\" or \"balanced\", got {other:?}"
-            ))),
+            other => match other.strip_prefix("budget=").map(parse_size) {
+                Some(Some(bytes)) => Ok(Remat::Budget(bytes)),
+                _ => Err(TrainError::Recipe(format!(
+                    "train.remat must be \"off\", \"balanced\" or \"budget=SIZE\" (e.g. \
+                     budget=64MiB), got {other:?}"
+                ))),
+            },
         }
     }
 }
@@ -420,6 +448,26 @@ fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remat_modes_and_sizes_parse() {
+        assert_eq!("off".parse::<Remat>().unwrap(), Remat::Off);
+        assert_eq!("balanced".parse::<Remat>().unwrap(), Remat::Balanced);
+        assert_eq!(
+            "budget=64MiB".parse::<Remat>().unwrap(),
+            Remat::Budget(64 << 20)
+        );
+        assert_eq!(
+            "budget=1.5G".parse::<Remat>().unwrap(),
+            Remat::Budget(3 << 29)
+        );
+        assert_eq!("budget=4096".parse::<Remat>().unwrap(), Remat::Budget(4096));
+        for bad in ["budget=", "budget=lots", "budget=-1M", "sometimes"] {
+            let e = bad.parse::<Remat>().unwrap_err().to_string();
+            assert!(e.contains("budget=SIZE") && e.contains(bad), "{e}");
+        }
+        assert_eq!(parse_size("512 KiB"), Some(512 << 10));
+    }
 
     #[test]
     fn the_default_file_is_the_default_struct() {

@@ -197,7 +197,9 @@ pub fn train_rank_with<B: Backend>(
         );
     }
     match recipe.remat()? {
-        Remat::Off => by_model::<B, NoCheckpointing>(recipe, spec, group, options, device, report),
+        Remat::Off | Remat::Budget(_) => {
+            by_model::<B, NoCheckpointing>(recipe, spec, group, options, device, report)
+        }
         Remat::Balanced => {
             by_model::<B, BalancedCheckpointing>(recipe, spec, group, options, device, report)
         }
@@ -416,6 +418,10 @@ where
     drop(resume_from);
     let step_config = kiln_shard::StepConfig {
         clip: (t.grad_clip > 0.0).then_some(t.grad_clip),
+        remat_budget: match recipe.remat()? {
+            Remat::Budget(bytes) => Some(bytes),
+            _ => None,
+        },
         ..Default::default()
     };
     // Exposed communication: how long this rank's thread waits on collectives during steps.
@@ -471,6 +477,7 @@ where
             "comm_wait_s": waited.as_secs_f64(),
             "mem_peak_bytes": stats.memory.map(|m| m.peak),
             "mem_activation_bytes": stats.memory.map(|m| m.peak_of(MemKind::Activations)),
+            "remat_recomputations": stats.remat.map(|r| r.recomputations),
         }))?;
         report.report(Event::Step(&StepStats {
             step,

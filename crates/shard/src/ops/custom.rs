@@ -112,6 +112,7 @@ pub(crate) fn float_device<B: Backend>(tensor: &FloatTensor<Shard<B>>) -> Device
         ShardTensor::Local(t) => B::float_device(t),
         ShardTensor::Sharded(s) => B::float_device(&s.shard),
         ShardTensor::View(v) => B::float_device(&v.base.shard),
+        ShardTensor::Remat(h) => h.device(),
     }
 }
 
@@ -120,6 +121,7 @@ pub(crate) fn float_is_require_grad<B: Backend>(tensor: &FloatTensor<Shard<B>>) 
         ShardTensor::Local(t) => B::float_is_require_grad(t),
         ShardTensor::Sharded(s) => B::float_is_require_grad(&s.shard),
         ShardTensor::View(v) => B::float_is_require_grad(&v.base.shard),
+        ShardTensor::Remat(h) => B::float_is_require_grad(&h.value()),
     }
 }
 
@@ -188,7 +190,9 @@ fn reduce_all<B: Backend>(
         }
         ShardTensor::Sharded(s) => s,
         // A view may slice or expand: reduce what it shows.
-        v @ ShardTensor::View(_) => return ShardTensor::Local(local_op(local(v))),
+        v @ (ShardTensor::View(_) | ShardTensor::Remat(_)) => {
+            return ShardTensor::Local(local_op(local(v)));
+        }
     };
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();

@@ -132,6 +132,7 @@ pub(crate) fn local<B: Backend>(t: FloatTensor<crate::Shard<B>>) -> B::FloatTens
         ShardTensor::Local(t) => t,
         ShardTensor::Sharded(s) => gather(&s),
         ShardTensor::View(v) => v.ops.iter().fold(gather(&v.base), |t, op| op.apply::<B>(t)),
+        ShardTensor::Remat(h) => h.value(),
     }
 }
 
@@ -139,7 +140,9 @@ pub(crate) fn local<B: Backend>(t: FloatTensor<crate::Shard<B>>) -> B::FloatTens
 /// [`ShardTensor::View`]), so that no whole parameter outlives the op that uses it.
 pub(crate) fn view<B: Backend>(t: ShardTensor<B>, op: ViewOp) -> ShardTensor<B> {
     match t {
-        ShardTensor::Local(t) => ShardTensor::Local(op.apply::<B>(t)),
+        t @ (ShardTensor::Local(_) | ShardTensor::Remat(_)) => {
+            crate::remat::record(vec![t], move |mut t| op.apply::<B>(t.remove(0)))
+        }
         ShardTensor::Sharded(base) => {
             let shape = op.apply_shape::<B>(base.shape.clone());
             ShardTensor::View(View {
@@ -177,10 +180,12 @@ pub(crate) fn local_wrap_primitive<B: Backend>(
 /// An elementwise op on one tensor: a shard stays a shard.
 pub(crate) fn unary<B: Backend>(
     t: ShardTensor<B>,
-    f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+    f: impl Fn(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive + Send + Sync + 'static,
 ) -> ShardTensor<B> {
     match t {
-        ShardTensor::Local(t) => ShardTensor::Local(f(t)),
+        t @ (ShardTensor::Local(_) | ShardTensor::Remat(_)) => {
+            crate::remat::record(vec![t], move |mut t| f(t.remove(0)))
+        }
         ShardTensor::Sharded(s) => ShardTensor::Sharded(Sharded {
             shard: f(s.shard),
             shape: s.shape,
@@ -208,10 +213,19 @@ pub(crate) fn unary<B: Backend>(
 pub(crate) fn binary<B: Backend>(
     a: ShardTensor<B>,
     b: ShardTensor<B>,
-    f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+    f: impl Fn(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive
+    + Send
+    + Sync
+    + 'static,
 ) -> ShardTensor<B> {
     match (a, b) {
-        (ShardTensor::Local(a), ShardTensor::Local(b)) => ShardTensor::Local(f(a, b)),
+        (
+            a @ (ShardTensor::Local(_) | ShardTensor::Remat(_)),
+            b @ (ShardTensor::Local(_) | ShardTensor::Remat(_)),
+        ) => crate::remat::record(vec![a, b], move |mut t| {
+            let b = t.pop().expect("two inputs");
+            f(t.pop().expect("two inputs"), b)
+        }),
         (ShardTensor::Sharded(a), ShardTensor::Sharded(b)) if a.same_layout(&b) => {
             ShardTensor::Sharded(Sharded {
                 shard: f(a.shard, b.shard),
@@ -238,6 +252,9 @@ pub(crate) fn binary<B: Backend>(
                 tag: None,
             })
         }
-        (a, b) => ShardTensor::Local(f(local(a), local(b))),
+        (a, b) => crate::remat::record(vec![a, b], move |mut t| {
+            let b = t.pop().expect("two inputs");
+            f(t.pop().expect("two inputs"), b)
+        }),
     }
 }
