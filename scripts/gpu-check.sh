@@ -9,8 +9,33 @@
 #
 #     bash scripts/gpu-check.sh              # all GPUs of this machine
 #     GPU_CHECK_QUICK=1 bash scripts/gpu-check.sh   # skip the GPT-2 124M-shape throughput run
+#     GPU_CHECK_ONLY=shard-check bash scripts/gpu-check.sh   # only the steps whose names match
+#     KILN_PREBUILT=DIR bash scripts/gpu-check.sh   # a GPU machine without Rust: binaries built
+#         elsewhere by `bash scripts/gpu-check.sh --prebuild DIR` (kiln, comm-bench and the
+#         device-collectives test), same CPU architecture and an equal or newer glibc there
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+
+# --prebuild DIR: build the binaries the checks run (no GPU needed) and copy them, stripped, to DIR.
+if [ "${1:-}" = "--prebuild" ]; then
+  dir=${2:?usage: gpu-check.sh --prebuild DIR}
+  set -e
+  cargo build --release -p kiln-cli --features cuda,nccl --bins
+  test_bin=$(cargo test --release -p kiln-shard --features cuda --lib --no-run \
+    --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kiln_shard":
+        print(m["executable"])')
+  target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+  mkdir -p "$dir"
+  cp "$target/release/kiln" "$target/release/comm-bench" "$dir/"
+  cp "$test_bin" "$dir/kiln-shard-device-test"
+  strip "$dir"/*
+  ls -l "$dir"
+  exit 0
+fi
 
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$ngpu" -lt 1 ]; then
@@ -25,6 +50,10 @@ failed=0
 step() {
   local name=$1
   shift
+  # GPU_CHECK_ONLY=REGEX: only the steps whose names match (a rerun of some checks).
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && ! grep -Eq -- "$GPU_CHECK_ONLY" <<<"$name"; then
+    return 0
+  fi
   echo
   echo "== $name"
   local start=$SECONDS
@@ -34,6 +63,7 @@ step() {
     results+=("FAIL  $name ($((SECONDS - start))s)")
     failed=1
   fi
+  echo "-> ${results[-1]}"
 }
 # expect_failure PATTERN COMMAND...: the command must fail, printing PATTERN (a clear error).
 expect_failure() {
@@ -77,9 +107,15 @@ if [ -n "$ncclso" ] && [ -e "$ncclso" ]; then
   export LD_LIBRARY_PATH="$linkdir:$nccldir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 
-step "build (release, --features cuda,nccl)" cargo build --release -p kiln-cli --features cuda,nccl
-if [ $failed -ne 0 ]; then summary; fi
-kiln=target/release/kiln
+if [ -n "${KILN_PREBUILT:-}" ]; then
+  bin=$(cd "$KILN_PREBUILT" && pwd)
+  echo "== prebuilt binaries from $bin"
+else
+  step "build (release, --features cuda,nccl)" cargo build --release -p kiln-cli --features cuda,nccl
+  if [ $failed -ne 0 ]; then summary; fi
+  bin=target/release
+fi
+kiln=$bin/kiln
 launch() { "$kiln" launch --nproc-per-node "$1" --master-port 0 -- "${@:2}"; }
 
 # --- kiln-comm's NCCL group -------------------------------------------------------------------
@@ -103,8 +139,14 @@ step "$((ngpu + 1)) NCCL ranks on $ngpu GPU(s) is a clear error" expect_failure 
   --nproc-per-node $((ngpu + 1)) --master-port 0 -- "$kiln" comm-check --backend nccl
 
 # --- device-memory collectives (kiln-shard's `device` module) ---------------------------------
-step "device collectives on burn-cuda tensors (no host copies), 1 GPU" \
-  cargo test --release -p kiln-shard --features cuda --lib -- --ignored device::
+device_test() {
+  if [ -n "${KILN_PREBUILT:-}" ]; then
+    "$bin/kiln-shard-device-test" --ignored device::
+  else
+    cargo test --release -p kiln-shard --features cuda --lib -- --ignored device::
+  fi
+}
+step "device collectives on burn-cuda tensors (no host copies), 1 GPU" device_test
 
 # --- the decorator: every strategy ------------------------------------------------------------
 strategies="ddp zero1 zero2 zero3 hybrid:1"
@@ -112,11 +154,11 @@ for strategy in $strategies; do
   step "shard-check $strategy: 1 GPU vs CPU" \
     "$kiln" shard-check --device cuda --ranks 1 --strategy "$strategy"
 done
-# Ranks as threads share GPUs round-robin (host-memory group): several ranks on one GPU.
-for spec in ddp:2 zero1:2 zero2:3 zero3:3 hybrid:2:4; do
-  strategy=${spec%:*} ranks=${spec##*:}
-  step "shard-check $strategy: $ranks thread ranks sharing the GPU(s), local group" \
-    "$kiln" shard-check --device cuda --ranks "$ranks" --strategy "$strategy"
+# One rank over NCCL: the decorator's collectives take the device path (kiln-shard's `device`
+# module on burn-cuda's buffers) even at world size 1.
+for strategy in ddp zero3; do
+  step "shard-check $strategy over NCCL, 1 rank (device-memory collectives)" \
+    launch 1 "$kiln" shard-check --device cuda --backend nccl --strategy "$strategy"
 done
 if [ "$ngpu" -gt 1 ]; then
   half=1
@@ -178,9 +220,19 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if '"tokens_per_s"' in l]
 print(f"THROUGHPUT {sys.argv[2]}: {rows[-1]['tokens_per_s']:.0f} tokens/s (GPT-2 124M shape, step {rows[-1]['step']})")
 PY
 }
+# PyTorch eager (f32, no torch.compile) on the same GPU, the same shape and optimizer.
+torch_throughput() {
+  python3 bench/torch/train_gpt.py --device cuda --layers 12 --heads 12 --dim 768 --context 1024 \
+    --seq-len 1024 --batch-size 8 --steps 20 --warmup 5 | tail -2
+}
 if [ -z "${GPU_CHECK_QUICK:-}" ]; then
   step "throughput: GPT-2 124M shape, 1 GPU, ddp" throughput gpu1-ddp \
     "$kiln" train --device cuda --strategy ddp
+  step "throughput: GPT-2 124M shape, 1 GPU, zero3 over NCCL (1 rank)" throughput gpu1-nccl-zero3 \
+    launch 1 "$kiln" train --device cuda --strategy zero3 --set 'parallel.backend="nccl"'
+  if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    step "throughput: PyTorch eager, same shape, 1 GPU" torch_throughput
+  fi
   if [ "$ngpu" -gt 1 ]; then
     for strategy in ddp zero3; do
       step "throughput: GPT-2 124M shape, $ngpu GPUs over NCCL, $strategy" throughput \
@@ -190,7 +242,20 @@ if [ -z "${GPU_CHECK_QUICK:-}" ]; then
   fi
 fi
 
+# --- several ranks sharing the GPU(s) (last: the slowest part of the check) ----------------
+# Ranks as threads share GPUs round-robin (host-memory group): several ranks on one GPU.
+# At 3 ranks each rank's third of the batch runs through other CUDA kernel shapes than the
+# whole batch: on an H200 DDP, ZeRO-1 and ZeRO-3 all differ from one device by the same 1.3e-4
+# (3.4e-5 after one step), as one device differs from the CPU (1.4e-4), while 2 and 4 ranks
+# agree to 5e-8 and the CPU at 3 ranks to 1e-7. So 3 ranks are held to the device-vs-CPU bound.
+for spec in ddp:2:1e-5 zero1:2:1e-5 zero2:3:1e-3 zero3:3:1e-3 hybrid:2:4:1e-5; do
+  tol=${spec##*:} spec=${spec%:*}
+  strategy=${spec%:*} ranks=${spec##*:}
+  step "shard-check $strategy: $ranks thread ranks sharing the GPU(s), local group" \
+    "$kiln" shard-check --device cuda --ranks "$ranks" --strategy "$strategy" --tolerance "$tol"
+done
+
 step "comm-bench: all-reduce over NCCL (host-staged) on $ngpu GPU(s)" \
-  launch "$ngpu" target/release/comm-bench --backend nccl --max-size 64M
+  launch "$ngpu" "$bin/comm-bench" --backend nccl --max-size 64M
 
 summary

@@ -152,7 +152,7 @@ def worker(rank, world, a, port):
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
     torch.manual_seed(a.seed)  # the same initial weights on every rank
-    model = Gpt2(a.layers, a.heads, a.dim, a.context)
+    model = Gpt2(a.layers, a.heads, a.dim, a.context).to(a.device)
     n_params = sum(p.numel() for p in model.parameters())
     impl = "eager"
     if a.mode == "ddp":
@@ -178,7 +178,7 @@ def worker(rank, world, a, port):
     def step_once(step):
         # Every rank draws the global batch's starts (as kiln) and takes its rows.
         starts = torch.randint(0, span + 1, (a.batch_size,), generator=g)[rank * rows:(rank + 1) * rows]
-        win = corpus[starts[:, None] + offsets]
+        win = corpus[starts[:, None] + offsets].to(a.device)
         x, y = win[:, :-1], win[:, 1:]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, a)
@@ -197,7 +197,8 @@ def worker(rank, world, a, port):
     if rank == 0:
         print(
             f"torch {torch.__version__}: gpt2 {n_params} parameters, {a.mode} ({impl}) on {world} "
-            f"process(es), {a.threads} thread(s) each, {a.batch_size * a.seq_len} tokens per step",
+            f"process(es), {a.threads} thread(s) each, {a.batch_size * a.seq_len} tokens per step, "
+            f"device {a.device}",
             flush=True,
         )
     step = 0
@@ -219,7 +220,7 @@ def worker(rank, world, a, port):
         tps = a.steps * a.batch_size * a.seq_len / secs
         print(f"loss {first:.4f} -> {loss:.4f}; {a.steps} timed steps in {secs:.2f} s", flush=True)
         print(
-            f"RESULT mode={a.mode} impl={impl} world={world} threads={a.threads} steps={a.steps} "
+            f"RESULT device={a.device} mode={a.mode} impl={impl} world={world} threads={a.threads} steps={a.steps} "
             f"tokens_per_step={a.batch_size * a.seq_len} seconds={secs:.3f} tokens_per_s={tps:.1f}",
             flush=True,
         )
@@ -250,7 +251,11 @@ def main():
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--corpus", type=int, default=262144, help="synthetic corpus bytes")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the model and batches (single mode): cpu or cuda")
     a = p.parse_args()
+    if a.device != "cpu" and a.mode != "single":
+        sys.exit("--device other than cpu is for --mode single")
     cores = os.cpu_count() or 1
     world = 1 if a.mode == "single" else a.nproc
     if a.batch_size % world:

@@ -57,6 +57,14 @@ fn run_rank<B: burn::tensor::backend::Backend>(
     Ok(Errors::of(&run, &reference))
 }
 
+/// How far one device's single-device run may be from the CPU's. Different kernels (CubeCL's
+/// matmul tiling and reduction order against Flex's) differ by float rounding, which Adam's
+/// normalisation amplifies on parameters whose gradients are near zero: on an H200, 1.4e-4 on
+/// the parameters and 1.5e-5 on the losses after the check's steps. The sharded runs are
+/// compared with the single-device run of the same device, at `--tolerance`.
+#[cfg(feature = "cuda")]
+const CUDA_VS_CPU_TOLERANCE: f64 = 1e-3;
+
 fn on_device(
     group: Arc<dyn ProcessGroup>,
     args: &ShardCheckArgs,
@@ -94,8 +102,8 @@ fn on_device(
                 e.loss,
                 e.params
             );
-            if e.worst() > 1e-4 {
-                bail!("cuda and cpu disagree beyond 1e-4: {e:?}");
+            if e.worst() > CUDA_VS_CPU_TOLERANCE {
+                bail!("cuda and cpu disagree beyond {CUDA_VS_CPU_TOLERANCE:e}: {e:?}");
             }
             run_rank::<kiln::Cuda>(group, strategy, opts, &device, args.init == "burn")
         }
