@@ -35,6 +35,10 @@ pub struct ShardCheckArgs {
     /// must make them rank 0's, and the reference starts from rank 0's weights).
     #[arg(long, default_value = "fixed", value_parser = ["fixed", "burn"])]
     init: String,
+    /// Mixed precision of the steps: f32, bf16 or f16 (the single-device reference runs alike;
+    /// bf16 and f16 round partial sums, so give a looser --tolerance).
+    #[arg(long, default_value = "f32")]
+    precision: String,
 }
 
 fn run_rank<B: burn::tensor::backend::Backend>(
@@ -116,8 +120,15 @@ fn on_device(
 
 pub fn shard_check(args: &ShardCheckArgs) -> Result<bool> {
     let strategy: Strategy = args.strategy.parse()?;
+    let precision = kiln_shard::Precision::from_name(&args.precision).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--precision must be f32, bf16 or f16, got '{}'",
+            args.precision
+        )
+    })?;
     let opts = Options {
         steps: args.steps,
+        precision,
         ..Options::default()
     };
     let report = |rank: usize, world: usize, e: &Errors| {

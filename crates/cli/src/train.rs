@@ -29,6 +29,10 @@ pub struct TrainArgs {
     /// (activations held to SIZE per rank, e.g. budget=64MiB; the rest recomputed).
     #[arg(long)]
     remat: Option<String>,
+    /// train.precision: f32; bf16 or f16 (matmuls and ZeRO-3 parameter gathers in that dtype,
+    /// f32 parameters and optimizer state; f16 with dynamic loss scaling).
+    #[arg(long)]
+    precision: Option<String>,
     /// data.source: "synthetic" or a UTF-8 text file.
     #[arg(long)]
     data: Option<String>,
@@ -77,6 +81,7 @@ impl TrainArgs {
         put("parallel.ranks", self.ranks.map(|v| v.to_string()));
         put("parallel.strategy", self.strategy.clone().map(quote));
         put("train.remat", self.remat.clone().map(quote));
+        put("train.precision", self.precision.clone().map(quote));
         put("data.source", self.data.clone().map(quote));
         put(
             "output.dir",

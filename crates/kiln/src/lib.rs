@@ -5,13 +5,12 @@
 //! inference:  Kiln<B>
 //! ```
 //!
-//! `Kiln<B>` is the composition of kiln's decorators over an inner backend `B`, written once
-//! here. Today it is the sharding decorator ([`shard::Shard`]: DDP, ZeRO-1/2/3, hybrid). The
-//! order of the stack, as further decorators join it, is fixed by what each must see:
-//! rematerialisation sits directly under `Autodiff` (it must see what autodiff saves for
-//! backward), mixed precision above sharding (a shard cast to bf16 is cast locally and halves the
-//! all-gather traffic), sharding at the bottom, next to the inner backend's memory.
-//! Every decorator forwards burn-autodiff's gradient hook downward to the sharding layer.
+//! `Kiln<B>` is kiln's decorator over an inner backend `B`, written once here: [`shard::Shard`],
+//! one layer under `Autodiff` that holds every strategy as a policy, because each must see the
+//! others' tensors: sharding (DDP, ZeRO-1/2/3, hybrid), budgeted rematerialisation
+//! ([`shard::remat`]: a recomputation of a sharded parameter gathers it again) and mixed
+//! precision ([`shard::precision`]: a shard is rounded to bf16 before its all-gather, halving the
+//! traffic). Burn's op-level checkpointing is `Autodiff`'s own (`Train<B, BalancedCheckpointing>`).
 //!
 //! # Adding kiln to a project
 //! kiln turns on Burn's `distributed` feature (burn-autodiff's per-parameter gradient hook).

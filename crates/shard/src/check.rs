@@ -134,6 +134,8 @@ pub struct Options {
     pub overlap: bool,
     /// [`StepConfig::remat_budget`](crate::StepConfig::remat_budget).
     pub remat_budget: Option<usize>,
+    /// [`StepConfig::precision`](crate::StepConfig::precision).
+    pub precision: crate::Precision,
 }
 
 impl Default for Options {
@@ -146,6 +148,7 @@ impl Default for Options {
             no_sync: false,
             overlap: true,
             remat_budget: None,
+            precision: crate::Precision::F32,
         }
     }
 }
@@ -247,6 +250,8 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         no_sync: opts.no_sync && group.is_some(),
         clip: opts.clip,
         remat_budget: opts.remat_budget,
+        precision: opts.precision,
+        loss_scale: None,
     };
     for step in 0..opts.steps {
         let micro = local / opts.accumulate;

@@ -237,15 +237,33 @@ fn prepare<B: Backend>(m: &ModelState<B>, grads: Vec<(ShardTensor<B>, Shape)>) -
     }
     let shapes: Vec<Shape> = grads.iter().map(|(_, s)| s.clone()).collect();
     let inner: Vec<B::FloatTensorPrimitive> = grads.into_iter().map(|(g, _)| local(g)).collect();
+    // Reduced in the policy's reduce dtype, handed back in the gradients' own.
+    let dtype = inner[0].dtype();
+    let reduce = crate::precision::active().reduce;
+    let inner: Vec<B::FloatTensorPrimitive> = inner
+        .into_iter()
+        .map(|g| crate::precision::narrow::<B>(g, reduce))
+        .collect();
     #[cfg(feature = "cuda")]
     if m.queue.is_none() {
         let on_device: Vec<_> = inner.iter().cloned().zip(shapes.iter().cloned()).collect();
         if let Some(done) = crate::on_device::reduce(m, &on_device) {
-            return Prepared::Done(done);
+            let widen = |t| crate::precision::widen::<B>(t, dtype);
+            return Prepared::Done(
+                done.into_iter()
+                    .map(|t| match t {
+                        ShardTensor::Local(t) => ShardTensor::Local(widen(t)),
+                        ShardTensor::Sharded(mut s) => {
+                            s.shard = widen(s.shard);
+                            ShardTensor::Sharded(s)
+                        }
+                        t => t,
+                    })
+                    .collect(),
+            );
         }
     }
     let device = B::float_device(&inner[0]);
-    let dtype = inner[0].dtype();
     let hosts: Vec<Host> = inner
         .into_iter()
         .map(|g| Host::from_data(read::<B>(g)))

@@ -32,6 +32,7 @@ mod on_device;
 mod ops;
 mod optim;
 pub mod pieces;
+pub mod precision;
 mod prefetch;
 pub mod remat;
 mod state;
@@ -41,7 +42,8 @@ mod sync;
 mod tensor;
 
 pub use backend::Shard;
-pub use optim::{ShardedOptimizer, clip_grad_norm};
+pub use optim::{ShardedOptimizer, clip_grad_norm, grad_norm, scale_grads};
+pub use precision::{LossScale, Precision, autocast};
 pub use prefetch::PrefetchStats;
 pub use state::{InitSync, ShardConfig, ShardError, Strategy, local_reads};
 pub use step::{StepConfig, StepStats, step};

@@ -51,7 +51,9 @@ pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> Option<B::FloatTensorPrimiti
     }
     let (world, numel) = (s.group.world_size(), s.numel());
     let chunk = numel.div_ceil(world);
-    let mine = padded::<B>(flat::<B>(s.shard.clone()), chunk);
+    // In the compute dtype of the policy, widened back below.
+    let shard = crate::precision::narrow::<B>(s.shard.clone(), crate::precision::gather_dtype());
+    let mine = padded::<B>(flat::<B>(shard), chunk);
     let all = crate::account::waiting(|| crate::device::all_gather::<B>(s.group.as_ref(), &mine))?
         .unwrap_or_else(|e| collective_failed("all-gather", &s.shape, s.group.as_ref(), e));
     let whole = if chunk * world == numel {
@@ -65,6 +67,7 @@ pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> Option<B::FloatTensorPrimiti
             .collect();
         B::float_cat(parts, 0)
     };
+    let whole = crate::precision::widen::<B>(whole, s.shard.dtype());
     Some(B::float_reshape(whole, s.shape.clone()))
 }
 

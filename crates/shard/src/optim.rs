@@ -297,9 +297,27 @@ where
 /// computes the same norm as a single device would. Every rank must call it.
 pub fn clip_grad_norm<B, AB, M>(
     module: &M,
-    mut grads: GradientsParams,
+    grads: GradientsParams,
     max_norm: f64,
 ) -> (GradientsParams, f64)
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    let norm = grad_norm::<B, AB, M>(module, &grads);
+    let scale = (max_norm / (norm + 1e-6)).min(1.0);
+    let grads = if scale < 1.0 {
+        scale_grads::<AB, M>(module, grads, scale)
+    } else {
+        grads
+    };
+    (grads, norm)
+}
+
+/// The global L2 norm of the gradients over all ranks and shards (see [`clip_grad_norm`]);
+/// not finite when any rank's gradients are not. Every rank must call it.
+pub fn grad_norm<B, AB, M>(module: &M, grads: &GradientsParams) -> f64
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
@@ -359,7 +377,7 @@ where
         read::<B>(all).convert::<f64>().iter::<f64>().sum::<f64>()
     }
     let mut sum = SumSquares::<B> {
-        grads: &grads,
+        grads,
         whole: Vec::new(),
         sharded: Vec::new(),
     };
@@ -377,8 +395,15 @@ where
             });
         norm_sq += f64::from(part[0]);
     }
-    let norm = norm_sq.sqrt();
-    let scale = (max_norm / (norm + 1e-6)).min(1.0);
+    norm_sq.sqrt()
+}
+
+/// The gradients multiplied by `factor`.
+pub fn scale_grads<AB, M>(module: &M, mut grads: GradientsParams, factor: f64) -> GradientsParams
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
     struct Scale<'a, AB: AutodiffBackend> {
         grads: &'a mut GradientsParams,
         scale: f64,
@@ -391,12 +416,10 @@ where
             }
         }
     }
-    if scale < 1.0 {
-        module.visit(&mut Scale::<AB> {
-            grads: &mut grads,
-            scale,
-            _b: PhantomData,
-        });
-    }
-    (grads, norm)
+    module.visit(&mut Scale::<AB> {
+        grads: &mut grads,
+        scale: factor,
+        _b: PhantomData,
+    });
+    grads
 }

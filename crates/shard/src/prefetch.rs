@@ -18,10 +18,12 @@
 use crate::ShardTensor;
 use crate::account::{MemKind, with_kind};
 use crate::ops::policy::{Host, all_gather_host, read};
+use crate::precision::{gather_dtype, gathered_dtype, narrow};
 use crate::state::ModelState;
 use crate::tensor::{ParamTag, Sharded};
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::{Backend, TensorMetadata};
+use burn_std::FloatDType;
 use kiln_comm::{CommQueue, Work};
 use std::collections::{HashMap, VecDeque};
 
@@ -56,6 +58,8 @@ pub struct PrefetchStats {
 
 struct Gather {
     id: DistributedParamId,
+    /// The dtype the shard was sent in (the compute dtype of the policy that issued it).
+    dtype: FloatDType,
     bytes: usize,
     work: Work<Host>,
 }
@@ -137,7 +141,7 @@ pub(crate) fn gather<B: Backend>(
         // A value from before the last step (a copy kept aside): gathered on its own, and
         // not part of the order.
         drop(p);
-        return submit(queue, s);
+        return submit(queue, s, gather_dtype());
     }
     next(&mut p, queue, id, s, m.config.prefetch_bytes)
 }
@@ -152,10 +156,11 @@ fn next<B: Backend>(
     budget: usize,
 ) -> Work<Host> {
     {
-        let ahead = take_in_flight(p, id);
+        let dtype = gather_dtype();
+        let ahead = take_in_flight(p, id, dtype);
         p.stats.gathers += 1;
         p.stats.prefetched += u64::from(ahead.is_some());
-        let work = ahead.unwrap_or_else(|| submit(queue, s));
+        let work = ahead.unwrap_or_else(|| submit(queue, s, dtype));
         // Bounded, for a model that is only ever evaluated (no step ends the recording).
         if p.recording.len() < MAX_ORDER {
             p.recording.push(id);
@@ -173,7 +178,7 @@ fn next<B: Backend>(
             (_, None) => {}
         }
         if p.pos.is_some() {
-            issue_next(p, queue, budget);
+            issue_next(p, queue, budget, dtype);
         }
         work
     }
@@ -181,8 +186,16 @@ fn next<B: Backend>(
 
 /// The prefetch of `id` if it is in flight; earlier prefetches that were not used (the order
 /// changed, e.g. an evaluation pass) are dropped: they still run, identically on every rank.
-fn take_in_flight<B: Backend>(p: &mut Prefetch<B>, id: DistributedParamId) -> Option<Work<Host>> {
-    let at = p.in_flight.iter().position(|g| g.id == id)?;
+fn take_in_flight<B: Backend>(
+    p: &mut Prefetch<B>,
+    id: DistributedParamId,
+    dtype: FloatDType,
+) -> Option<Work<Host>> {
+    // A prefetch sent in another dtype (issued under another precision policy) is not used.
+    let at = p
+        .in_flight
+        .iter()
+        .position(|g| g.id == id && g.dtype == dtype)?;
     p.in_flight.drain(..at);
     p.in_flight.pop_front().map(|g| g.work)
 }
@@ -194,7 +207,7 @@ pub(crate) fn prime<B: Backend>(m: &ModelState<B>) {
         let mut p = m.prefetch();
         p.pos = None;
         p.issued = 0;
-        issue_next(&mut p, queue, m.config.prefetch_bytes);
+        issue_next(&mut p, queue, m.config.prefetch_bytes, gather_dtype());
     }
 }
 
@@ -202,7 +215,12 @@ pub(crate) fn prime<B: Backend>(m: &ModelState<B>) {
 const MAX_ORDER: usize = 1 << 20;
 
 /// Issues the gathers that follow in the order, up to `budget` bytes in flight.
-fn issue_next<B: Backend>(p: &mut Prefetch<B>, queue: &CommQueue, budget: usize) {
+fn issue_next<B: Backend>(
+    p: &mut Prefetch<B>,
+    queue: &CommQueue,
+    budget: usize,
+    dtype: FloatDType,
+) {
     if budget == 0 {
         return;
     }
@@ -213,10 +231,11 @@ fn issue_next<B: Backend>(p: &mut Prefetch<B>, queue: &CommQueue, budget: usize)
             // Not registered (yet): stop here rather than skip, so the order stays simple.
             return;
         };
-        let size = shard.numel() * shard.shard.dtype().size();
-        let work = submit(queue, shard);
+        let size = shard.numel() * gathered_dtype(shard.shard.dtype(), dtype).size();
+        let work = submit(queue, shard, dtype);
         p.in_flight.push_back(Gather {
             id,
+            dtype,
             bytes: size,
             work,
         });
@@ -228,9 +247,9 @@ fn issue_next<B: Backend>(p: &mut Prefetch<B>, queue: &CommQueue, budget: usize)
 /// Hands the all-gather of `s` to the queue. The shard is read here (on the compute thread,
 /// which owns the inner backend's tensors); the whole buffer is made on the queue's thread,
 /// counted for this rank as a gathered parameter.
-fn submit<B: Backend>(queue: &CommQueue, s: &Sharded<B>) -> Work<Host> {
+fn submit<B: Backend>(queue: &CommQueue, s: &Sharded<B>, dtype: FloatDType) -> Work<Host> {
     let host = with_kind(MemKind::Comm, || {
-        Host::from_data(read::<B>(s.shard.clone()))
+        Host::from_data(read::<B>(narrow::<B>(s.shard.clone(), dtype)))
     });
     let numel = s.numel();
     crate::account::on_queue(queue, "all-gather (prefetch)", move |g| {

@@ -379,7 +379,15 @@ pub(crate) fn record_compute<B: Backend>(
     inputs: Vec<ShardTensor<B>>,
     op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
 ) -> ShardTensor<B> {
-    record_as(Cost::Compute, inputs, op)
+    // The policy is taken when the op is recorded, so that a recomputation (in backward)
+    // rounds its inputs exactly as the first run did.
+    let policy = crate::precision::active();
+    if !policy.is_mixed() {
+        return record_as(Cost::Compute, inputs, op);
+    }
+    record_as(Cost::Compute, inputs, move |v| {
+        crate::precision::lowered::<B>(policy, v, &op)
+    })
 }
 
 fn record_as<B: Backend>(

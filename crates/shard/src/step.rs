@@ -11,8 +11,10 @@
 //! [`no_sync`]: crate::no_sync
 
 use crate::account::{MemKind, MemoryProbe, StepMemory, grad_bytes, param_bytes, with_kind};
+use crate::optim::{grad_norm, scale_grads};
+use crate::precision::{LossScale, Precision, autocast};
 use crate::remat::{Pool, RematStats, recording};
-use crate::{Shard, backward, clip_grad_norm, no_sync, reduce_gradients};
+use crate::{Shard, backward, no_sync, reduce_gradients};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
@@ -34,6 +36,16 @@ pub struct StepConfig {
     /// [`remat`](crate::remat)): forward's whole-tensor ops are recorded, values are given up
     /// under the budget and recomputed when backward reads them. `None`: keep everything.
     pub remat_budget: Option<usize>,
+    /// The mixed-precision policy of the step's forward and backward (see
+    /// [`precision`](crate::precision)): compute-bound ops and parameter gathers in
+    /// `precision.compute`, gradient reduction in `precision.reduce`; parameters and optimizer
+    /// state stay f32.
+    pub precision: Precision,
+    /// Dynamic loss scaling (f16): the loss is multiplied by the scale before backward and the
+    /// gradients divided by it; a step whose gradients are not finite is skipped on every rank
+    /// and the scale halved. The scale after the step is in [`StepStats::loss_scale`]: pass it
+    /// to the next step.
+    pub loss_scale: Option<LossScale>,
 }
 
 impl Default for StepConfig {
@@ -43,6 +55,8 @@ impl Default for StepConfig {
             no_sync: false,
             clip: None,
             remat_budget: None,
+            precision: Precision::F32,
+            loss_scale: None,
         }
     }
 }
@@ -59,6 +73,11 @@ pub struct StepStats {
     pub memory: Option<StepMemory>,
     /// What rematerialisation did, under [`StepConfig::remat_budget`].
     pub remat: Option<RematStats>,
+    /// The loss scale for the next step, under [`StepConfig::loss_scale`].
+    pub loss_scale: Option<LossScale>,
+    /// Whether the optimizer step was skipped (gradients not finite under a loss scale; the
+    /// model is returned unchanged).
+    pub skipped: bool,
 }
 
 /// Takes one optimizer step of `model` at learning rate `lr`: `loss(&model, i)` is the loss
@@ -73,7 +92,7 @@ pub fn step<B, AB, M, O>(
     optim: &mut O,
     lr: f64,
     config: &StepConfig,
-    mut loss: impl FnMut(&M, usize) -> Tensor<AB, 1>,
+    loss: impl FnMut(&M, usize) -> Tensor<AB, 1>,
 ) -> (M, StepStats)
 where
     B: Backend,
@@ -85,6 +104,24 @@ where
         config.accumulate > 0,
         "kiln: a step needs at least one micro-batch"
     );
+    autocast(config.precision, || {
+        step_with_policy(model, optim, lr, config, loss)
+    })
+}
+
+fn step_with_policy<B, AB, M, O>(
+    model: M,
+    optim: &mut O,
+    lr: f64,
+    config: &StepConfig,
+    mut loss: impl FnMut(&M, usize) -> Tensor<AB, 1>,
+) -> (M, StepStats)
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+    O: Optimizer<M, AB>,
+{
     let probe = MemoryProbe::start();
     let pool = config.remat_budget.map(Pool::new);
     let mut forward = |model: &M, i| {
@@ -93,10 +130,18 @@ where
             None => loss(model, i),
         })
     };
+    // The loss differentiated: scaled under a loss scale (a power of two, so unscaling the
+    // gradients is exact).
+    let scale = config.loss_scale.map(|s| s.scale);
+    let scaled = |l: Tensor<AB, 1>| match scale {
+        Some(s) => l.mul_scalar(s),
+        None => l,
+    };
     let mut total = 0.0;
     let grads = if config.accumulate == 1 && !config.no_sync {
         let l = forward(&model, 0);
         total += l.clone().into_scalar().elem::<f64>();
+        let l = scaled(l);
         with_kind(MemKind::Backward, || {
             GradientsParams::from_grads(l.backward(), &model)
         })
@@ -105,6 +150,7 @@ where
         for i in 0..config.accumulate {
             let l = forward(&model, i);
             total += l.clone().into_scalar().elem::<f64>();
+            let l = scaled(l);
             let grads = with_kind(MemKind::Backward, || {
                 if config.no_sync {
                     no_sync(&model, || backward(l, &model))
@@ -121,12 +167,41 @@ where
             grads
         }
     };
-    let (grads, grad_norm) = match config.clip {
-        Some(max) => {
-            let (g, n) = clip_grad_norm(&model, grads, max);
-            (g, Some(n))
-        }
-        None => (grads, None),
+    // One global norm serves clipping and the overflow check; every rank sees the same norm
+    // (the sharded parts are all-reduced, the whole gradients are equal), so every rank takes
+    // the same decision.
+    let norm =
+        (config.clip.is_some() || scale.is_some()).then(|| grad_norm::<B, AB, M>(&model, &grads));
+    let unscale = scale.map_or(1.0, |s| 1.0 / s);
+    let grad_norm = norm.map(|n| n * unscale);
+    if let (Some(s), Some(n)) = (config.loss_scale, norm)
+        && !n.is_finite()
+    {
+        drop(grads);
+        // Backward consumed the parameters' gradient-sync marks; the optimizer step would have
+        // set them again.
+        crate::remark::<B, AB, M>(&model);
+        return (
+            model,
+            StepStats {
+                loss: total,
+                grad_norm,
+                memory: None,
+                remat: pool.map(|p| p.stats()),
+                loss_scale: Some(s.update(false)),
+                skipped: true,
+            },
+        );
+    }
+    let clip = match (config.clip, grad_norm) {
+        (Some(max), Some(n)) => (max / (n + 1e-6)).min(1.0),
+        _ => 1.0,
+    };
+    let factor = unscale * clip;
+    let grads = if factor != 1.0 {
+        scale_grads::<AB, M>(&model, grads, factor)
+    } else {
+        grads
     };
     let grads_held = probe
         .as_ref()
@@ -140,6 +215,8 @@ where
             grad_norm,
             memory,
             remat: pool.map(|p| p.stats()),
+            loss_scale: config.loss_scale.map(|s| s.update(true)),
+            skipped: false,
         },
     )
 }

@@ -115,6 +115,7 @@ const CLIP_ACC: Options = Options {
     no_sync: false,
     overlap: true,
     remat_budget: None,
+    precision: kiln_shard::Precision::F32,
 };
 
 /// Rematerialisation under a small budget (8 KiB: most activations given up and recomputed

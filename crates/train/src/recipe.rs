@@ -122,10 +122,19 @@ pub struct TrainRecipe {
     /// the rest recomputed when backward needs them).
     #[serde(default = "default_remat")]
     pub remat: String,
+    /// Mixed precision: `f32`; `bf16` or `f16` (compute-bound ops and ZeRO-3 parameter
+    /// gathers in that dtype, f32 parameters, optimizer state and gradient reduction;
+    /// `f16` with dynamic loss scaling).
+    #[serde(default = "default_precision")]
+    pub precision: String,
 }
 
 fn default_remat() -> String {
     "off".into()
+}
+
+fn default_precision() -> String {
+    "f32".into()
 }
 
 /// How activations are kept for backward ([`TrainRecipe::remat`]).
@@ -195,6 +204,7 @@ impl Default for TrainRecipe {
             seed: 1234,
             sample_chars: 160,
             remat: default_remat(),
+            precision: default_precision(),
         }
     }
 }
@@ -357,7 +367,21 @@ impl Recipe {
         }
         self.strategy()?;
         self.remat()?;
+        self.precision()?;
         Ok(())
+    }
+
+    /// The mixed-precision policy.
+    ///
+    /// # Errors
+    /// An unknown precision.
+    pub fn precision(&self) -> Result<kiln_shard::Precision> {
+        kiln_shard::Precision::from_name(&self.train.precision).ok_or_else(|| {
+            TrainError::Recipe(format!(
+                "train.precision must be \"f32\", \"bf16\" or \"f16\", got \"{}\"",
+                self.train.precision
+            ))
+        })
     }
 
     /// The parsed rematerialisation mode.
@@ -448,6 +472,25 @@ fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn precisions_parse_and_unknown_ones_are_named() {
+        let with = |p: &str| Recipe::load(None, &[format!("train.precision={p:?}")]);
+        assert_eq!(
+            with("bf16").unwrap().precision().unwrap(),
+            kiln_shard::Precision::BF16
+        );
+        assert_eq!(
+            with("f16").unwrap().precision().unwrap(),
+            kiln_shard::Precision::F16
+        );
+        assert_eq!(
+            Recipe::load(None, &[]).unwrap().precision().unwrap(),
+            kiln_shard::Precision::F32
+        );
+        let e = with("fp8").unwrap_err().to_string();
+        assert!(e.contains("train.precision") && e.contains("fp8"), "{e}");
+    }
 
     #[test]
     fn remat_modes_and_sizes_parse() {

@@ -21,6 +21,8 @@ pub struct RunInfo {
     pub strategy: String,
     /// The rematerialisation mode (`train.remat`).
     pub remat: String,
+    /// The precision (`train.precision`).
+    pub precision: String,
     /// Ranks of the job.
     pub world_size: usize,
     /// Tokens of one step over all ranks.
@@ -166,6 +168,9 @@ impl RunInfo {
                 match self.remat.as_str() {
                     "off" => String::new(),
                     r => format!(" with remat {r}"),
+                } + &match self.precision.as_str() {
+                    "f32" => String::new(),
+                    p => format!(" in {p} (f32 masters)"),
                 },
                 self.world_size,
                 self.tokens_per_step
@@ -243,6 +248,12 @@ impl RunInfo {
         lines.extend(memory_lines(&s.memory));
         if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {
             lines.push(format!("training loss {first:.4} -> {last:.4}"));
+        }
+        if let Some(scale) = s.loss_scale {
+            lines.push(format!(
+                "f16 loss scale {scale} at the end; {} step(s) skipped for non-finite gradients",
+                s.skipped_steps
+            ));
         }
         if let Some(v) = s.val_loss {
             let reference = match self.floor {
@@ -371,6 +382,7 @@ mod tests {
             params: 121_000,
             strategy: "zero3".into(),
             remat: "off".into(),
+            precision: "f32".into(),
             world_size: 2,
             tokens_per_step: 1024,
             data: "synthetic".into(),

@@ -32,6 +32,7 @@ use burn::tensor::{DType, Int, Tensor, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
 use kiln_hf::{CausalLm, GenerateConfig, Pretrained, Sampling, causal_lm_loss, generate};
+use kiln_shard::LossScale;
 use kiln_shard::account::{MemKind, StepMemory};
 use kiln_shard::optimizer_state_group;
 use kiln_shard::pieces::{self, held_range};
@@ -79,6 +80,10 @@ pub struct Summary {
     /// Every rank's memory in its step with the highest heap peak, in rank order (empty when
     /// the global allocator does not count per rank; the `kiln` binary's does).
     pub memory: Vec<RankMemory>,
+    /// Steps skipped for gradients that were not finite (f16 loss scaling).
+    pub skipped_steps: usize,
+    /// The loss scale at the end (f16 only).
+    pub loss_scale: Option<f64>,
 }
 
 /// One rank's memory in its most demanding step, beside its optimizer state.
@@ -360,8 +365,18 @@ where
         .with_beta_2(t.beta2 as f32)
         .with_weight_decay(t.weight_decay as f32);
     let mut optim = ShardedOptimizer::<_, B>::new(optim_config.init::<Train<B, C>, M>());
+    let precision = recipe.precision()?;
+    if let Err(e) = kiln_shard::precision::probe::<B>(precision, device) {
+        fail!(Recipe, "train.precision = \"{}\": {e}", precision.name());
+    }
+    let mut loss_scale = precision.needs_loss_scale().then(LossScale::default);
     let (mut model, first_step, mut rng, mut optimizer_time) = match &resume_from {
         Some(snap) => {
+            if let (Some(s), Some((scale, good))) = (&mut loss_scale, snap.manifest.meta.loss_scale)
+            {
+                s.scale = scale;
+                s.good_steps = good;
+            }
             let model = load_params::<B, C, M>(model, snap)?;
             let meta = &snap.manifest.meta;
             let record = load_optimizer::<B, C, M>(&model, snap, meta.optimizer_time, device)?;
@@ -394,6 +409,7 @@ where
         params: model.num_params(),
         strategy: strategy.to_string(),
         remat: t.remat.clone(),
+        precision: precision.name().into(),
         world_size: world,
         tokens_per_step,
         data: corpus.description.clone(),
@@ -412,6 +428,8 @@ where
     }));
 
     let mut losses = Vec::new();
+    // Steps skipped for non-finite gradients under f16 loss scaling.
+    let mut skipped_steps = 0usize;
     let mut val_loss = None;
     let mut last_snapshot = None;
     let mut evaluated_at = None;
@@ -422,6 +440,7 @@ where
             Remat::Budget(bytes) => Some(bytes),
             _ => None,
         },
+        precision,
         ..Default::default()
     };
     // Exposed communication: how long this rank's thread waits on collectives during steps.
@@ -441,22 +460,31 @@ where
             world,
         );
         let (x, y) = tensors::<Train<B, C>>(&b, device);
-        let (stepped, stats) = kiln_shard::step(model, &mut optim, lr, &step_config, |m, _| {
+        let config = kiln_shard::StepConfig {
+            loss_scale,
+            ..step_config
+        };
+        let (stepped, stats) = kiln_shard::step(model, &mut optim, lr, &config, |m, _| {
             causal_lm_loss(m.forward(x.clone()), y.clone())
         });
         model = stepped;
+        loss_scale = stats.loss_scale;
+        if stats.skipped {
+            skipped_steps += 1;
+        } else {
+            optimizer_time += 1;
+        }
         if let Some(m) = stats.memory
             && worst.is_none_or(|w| m.peak > w.peak)
         {
             worst = Some(m);
         }
         let grad_norm = stats.grad_norm;
-        optimizer_time += 1;
         let loss = all_mean(group.as_ref(), stats.loss)?;
         let waited = kiln_shard::account::comm_wait(group.rank()).saturating_sub(wait_start);
         step_time += step_start.elapsed();
         wait_time += waited;
-        if !loss.is_finite() {
+        if !loss.is_finite() && !stats.skipped {
             fail!(
                 Diverged,
                 "the loss is {loss} at step {step}: lower train.lr or raise train.grad_clip"
@@ -478,6 +506,8 @@ where
             "mem_peak_bytes": stats.memory.map(|m| m.peak),
             "mem_activation_bytes": stats.memory.map(|m| m.peak_of(MemKind::Activations)),
             "remat_recomputations": stats.remat.map(|r| r.recomputations),
+            "loss_scale": config.loss_scale.map(|s| s.scale),
+            "skipped": stats.skipped,
         }))?;
         report.report(Event::Step(&StepStats {
             step,
@@ -506,6 +536,7 @@ where
                 world_size: world,
                 data_rng: rng.0,
                 optimizer_time,
+                loss_scale: loss_scale.map(|s| (s.scale, s.good_steps)),
                 recipe: recipe.to_toml(),
             };
             let dir = save::<B, C, M>(&model, &optim, &meta, group.as_ref(), recipe)?;
@@ -528,7 +559,9 @@ where
             stop_token: None,
         };
         // Every rank generates (a ZeRO-3 forward gathers parameters); rank 0 prints.
-        let new = generate(&model.valid(), &prompt, &config, device);
+        let new = kiln_shard::autocast(precision, || {
+            generate(&model.valid(), &prompt, &config, device)
+        });
         let tok = kiln_hf::ByteTokenizer;
         format!("{}|{}", tok.decode(&prompt), tok.decode(&new))
     });
@@ -556,6 +589,8 @@ where
         snapshot: last_snapshot,
         losses,
         memory,
+        skipped_steps,
+        loss_scale: loss_scale.map(|s| s.scale),
     };
     report.report(Event::Finished {
         summary: &summary,
@@ -621,7 +656,10 @@ where
     let mut total = 0.0;
     for b in validation_batches(corpus, t, group.rank(), group.world_size()) {
         let (x, y) = tensors::<Shard<B>>(&b, device);
-        let loss: f64 = causal_lm_loss(inner.forward(x), y).into_scalar().elem();
+        // Evaluated in the precision the model trains in (as under torch.autocast).
+        let loss: f64 = kiln_shard::autocast(recipe.precision()?, || {
+            causal_lm_loss(inner.forward(x), y).into_scalar().elem()
+        });
         total += loss;
     }
     Ok(Some(all_mean(group, total / t.eval_batches as f64)?))

@@ -54,6 +54,9 @@ pub struct Meta {
     pub data_rng: u64,
     /// AdamW's step count (its bias correction).
     pub optimizer_time: usize,
+    /// The dynamic loss scale and its good steps since the last change (f16 training).
+    #[serde(default)]
+    pub loss_scale: Option<(f64, u32)>,
     /// The recipe, as TOML (for the record; a resumed run uses the one it is given).
     pub recipe: String,
 }
@@ -589,6 +592,7 @@ mod tests {
             world_size: world,
             data_rng: 9,
             optimizer_time: step,
+            loss_scale: None,
             recipe: String::new(),
         }
     }

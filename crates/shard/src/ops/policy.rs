@@ -1,6 +1,7 @@
 //! How float tensors pass through the decorator: shard-local, gathered, or reduced.
 
 use crate::ShardTensor;
+use crate::precision::gather_dtype;
 use crate::tensor::{Sharded, View, ViewOp};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorData, TensorMetadata, TensorPrimitive, try_read_sync};
@@ -55,8 +56,12 @@ pub(crate) fn collective_failed(
 pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
     use crate::account::{MemKind, waiting, with_kind};
     if s.group.world_size() == 1 {
-        // The one shard is the whole tensor.
-        return B::float_reshape(s.shard.clone(), s.shape.clone());
+        // The one shard is the whole tensor; rounded to the compute dtype as a gather over
+        // several ranks rounds it, so that ZeRO-3 gives the same numbers at every world size.
+        let whole = B::float_reshape(s.shard.clone(), s.shape.clone());
+        let dtype = whole.dtype();
+        let gathered = crate::precision::narrow::<B>(whole, gather_dtype());
+        return crate::precision::widen::<B>(gathered, dtype);
     }
     #[cfg(feature = "cuda")]
     if let Some(whole) = crate::on_device::gather(s) {
@@ -73,9 +78,10 @@ pub(crate) fn gather<B: Backend>(s: &Sharded<B>) -> B::FloatTensorPrimitive {
     let full = match queued {
         Some(work) => waiting(|| work.wait()),
         None => {
-            let host = with_kind(MemKind::Comm, || {
-                Host::from_data(read::<B>(s.shard.clone()))
-            });
+            // In the compute dtype of the policy (half the bytes of f32 for bf16 and f16),
+            // widened back when written.
+            let shard = crate::precision::narrow::<B>(s.shard.clone(), gather_dtype());
+            let host = with_kind(MemKind::Comm, || Host::from_data(read::<B>(shard)));
             waiting(|| all_gather_host(s.group.as_ref(), &host, s.numel()))
         }
     }
