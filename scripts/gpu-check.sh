@@ -168,8 +168,14 @@ if [ "$ngpu" -gt 1 ]; then
       launch "$ngpu" "$kiln" shard-check --device cuda --backend nccl --strategy "$strategy"
   done
 fi
-# bf16: the recipe and shard-check have no precision setting yet (training is f32); bf16 is
-# covered by the collectives (comm-check above runs every op in bf16 over NCCL).
+# Mixed precision: N thread ranks against one device in bf16 (bf16 partial sums round in
+# another order, hence the looser bound), and over NCCL at one rank (gathers in bf16 on the
+# device path).
+step "precision: shard-check zero3 bf16, 2 thread ranks sharing the GPU" \
+  "$kiln" shard-check --device cuda --ranks 2 --strategy zero3 --precision bf16 --tolerance 1e-2
+step "precision: shard-check zero3 bf16 over NCCL, 1 rank" \
+  launch 1 "$kiln" shard-check --device cuda --backend nccl --strategy zero3 --precision bf16 \
+  --tolerance 1e-2
 
 # --- training: the GPU against the CPU --------------------------------------------------------
 tmp=$(mktemp -d)
@@ -189,6 +195,28 @@ sys.exit(0 if worst < 1e-3 and len(cpu) == len(gpu) > 0 else 1)
 PY
 }
 step "kiln train: 50 steps of the default recipe, cuda vs cpu losses" train_parity
+# bf16 on both: the GPU's bf16 matmuls against Flex's, within bf16's rounding.
+bf16_parity() {
+  if [ ! -e "$tmp/cuda/metrics.jsonl" ]; then
+    "$kiln" train --device cuda --steps 50 --set train.sample_chars=0 --out "$tmp/cuda" \
+      --overwrite | tail -1 || return 1
+  fi
+  for dev in cpu cuda; do
+    "$kiln" train --device "$dev" --precision bf16 --steps 50 --set train.sample_chars=0 \
+      --out "$tmp/bf16-$dev" --overwrite | tail -2 || return 1
+  done
+  python3 - "$tmp" <<'PY'
+import json, sys
+def losses(d):
+    return [json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/{d}/metrics.jsonl") if '"loss"' in l]
+cpu, gpu, f32 = losses("bf16-cpu"), losses("bf16-cuda"), losses("cuda")
+worst = max(abs(a - b) / abs(a) for a, b in zip(cpu, gpu))
+moved = max(abs(a - b) / abs(a) for a, b in zip(f32, gpu))
+print(f"precision: bf16 losses cuda vs cpu {worst:.2e}; bf16 vs f32 on cuda {moved:.2e}")
+sys.exit(0 if worst < 2e-2 and moved > 0 else 1)
+PY
+}
+step "precision: kiln train --precision bf16, 50 steps, cuda vs cpu losses" bf16_parity
 # `--ranks 2 --device cuda` on fewer GPUs than ranks: threads share (it asked for GPU 1 before).
 step "kiln train --ranks 2 --device cuda (ranks share GPUs round-robin)" \
   "$kiln" train --device cuda --ranks 2 --strategy zero3 --steps 5 --set train.sample_chars=0 \
@@ -225,13 +253,23 @@ torch_throughput() {
   python3 bench/torch/train_gpt.py --device cuda --layers 12 --heads 12 --dim 768 --context 1024 \
     --seq-len 1024 --batch-size 8 --steps 20 --warmup 5 | tail -2
 }
+torch_autocast_throughput() {
+  python3 bench/torch/train_gpt.py --device cuda --autocast bf16 --layers 12 --heads 12 \
+    --dim 768 --context 1024 --seq-len 1024 --batch-size 8 --steps 20 --warmup 5 | tail -2
+}
 if [ -z "${GPU_CHECK_QUICK:-}" ]; then
   step "throughput: GPT-2 124M shape, 1 GPU, ddp" throughput gpu1-ddp \
     "$kiln" train --device cuda --strategy ddp
+  for precision in bf16 f16; do
+    step "throughput (precision $precision): GPT-2 124M shape, 1 GPU, ddp" throughput \
+      "gpu1-ddp-$precision" "$kiln" train --device cuda --strategy ddp --precision "$precision"
+  done
   step "throughput: GPT-2 124M shape, 1 GPU, zero3 over NCCL (1 rank)" throughput gpu1-nccl-zero3 \
     launch 1 "$kiln" train --device cuda --strategy zero3 --set 'parallel.backend="nccl"'
   if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
     step "throughput: PyTorch eager, same shape, 1 GPU" torch_throughput
+    step "throughput (precision bf16): PyTorch eager under autocast, same shape, 1 GPU" \
+      torch_autocast_throughput
   fi
   if [ "$ngpu" -gt 1 ]; then
     for strategy in ddp zero3; do

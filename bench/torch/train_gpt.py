@@ -24,6 +24,7 @@ is machine-readable:
 """
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -175,6 +176,12 @@ def worker(rank, world, a, port):
     span = a.corpus - a.seq_len - 1
     offsets = torch.arange(a.seq_len + 1)
 
+    def autocast():
+        if a.autocast == "f32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if a.autocast == "bf16" else torch.float16
+        return torch.autocast(device_type=a.device.split(":")[0], dtype=dtype)
+
     def step_once(step):
         # Every rank draws the global batch's starts (as kiln) and takes its rows.
         starts = torch.randint(0, span + 1, (a.batch_size,), generator=g)[rank * rows:(rank + 1) * rows]
@@ -182,8 +189,9 @@ def worker(rank, world, a, port):
         x, y = win[:, :-1], win[:, 1:]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, a)
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        with autocast():
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
@@ -220,7 +228,7 @@ def worker(rank, world, a, port):
         tps = a.steps * a.batch_size * a.seq_len / secs
         print(f"loss {first:.4f} -> {loss:.4f}; {a.steps} timed steps in {secs:.2f} s", flush=True)
         print(
-            f"RESULT device={a.device} mode={a.mode} impl={impl} world={world} threads={a.threads} steps={a.steps} "
+            f"RESULT device={a.device} autocast={a.autocast} mode={a.mode} impl={impl} world={world} threads={a.threads} steps={a.steps} "
             f"tokens_per_step={a.batch_size * a.seq_len} seconds={secs:.3f} tokens_per_s={tps:.1f}",
             flush=True,
         )
@@ -251,6 +259,8 @@ def main():
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--corpus", type=int, default=262144, help="synthetic corpus bytes")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--autocast", choices=["f32", "bf16", "f16"], default="f32",
+                   help="torch.autocast dtype of forward and loss (f16 without a GradScaler: timing only)")
     p.add_argument("--device", default="cpu",
                    help="torch device of the model and batches (single mode): cpu or cuda")
     a = p.parse_args()

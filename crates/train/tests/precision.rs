@@ -28,9 +28,15 @@ fn bf16_and_f16_train_the_default_recipe_within_2_percent_of_f32() {
     for precision in ["bf16", "f16"] {
         let s = run(&dir.path().join(precision), precision);
         let v = s.val_loss.expect("validated");
+        let moved = s
+            .losses
+            .iter()
+            .zip(&f32s.losses)
+            .map(|(a, b)| (a - b).abs() / b)
+            .fold(0.0, f64::max);
         println!(
-            "{precision}: validation loss {v:.4} vs f32 {v32:.4} ({:+.2}%), loss scale {:?}, \
-             {} step(s) skipped",
+            "{precision}: validation loss {v:.6} vs f32 {v32:.6} ({:+.3}%), training losses up \
+             to {moved:.2e} from f32's, loss scale {:?}, {} step(s) skipped",
             100.0 * (v - v32) / v32,
             s.loss_scale,
             s.skipped_steps
