@@ -215,10 +215,18 @@ pub struct ExportArgs {
     /// The Hugging Face directory to write (`config.json`, `model.safetensors`).
     #[arg(long)]
     out: PathBuf,
+    /// The weights' dtype: f32 (the snapshot's masters), bf16 or f16 (rounded to nearest).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
+    dtype: String,
 }
 
 pub fn export(args: &ExportArgs) -> Result<()> {
-    let weights = kiln_train::export(&args.snapshot, &args.out)?;
+    let dtype = match args.dtype.as_str() {
+        "bf16" => burn::tensor::FloatDType::BF16,
+        "f16" => burn::tensor::FloatDType::F16,
+        _ => burn::tensor::FloatDType::F32,
+    };
+    let weights = kiln_train::export_as(&args.snapshot, &args.out, dtype)?;
     println!("wrote {}", weights.display());
     Ok(())
 }

@@ -219,9 +219,13 @@ fn a_crash_while_writing_a_snapshot_leaves_the_previous_one() {
         &cut.display().to_string(),
         "--out",
         &hf.display().to_string(),
+        "--dtype",
+        "bf16",
     ]);
     run_ok(c);
-    assert!(hf.join("model.safetensors").exists() && hf.join("config.json").exists());
+    assert!(hf.join("model.safetensors").exists());
+    let config = std::fs::read_to_string(hf.join("config.json")).unwrap();
+    assert!(config.contains(r#""torch_dtype": "bfloat16""#), "{config}");
 }
 
 /// Runs `kiln ARGS`, expecting a prompt failure whose message contains every `needle`.
@@ -294,6 +298,10 @@ fn bad_inputs_are_named() {
         &[
             r#"train.remat must be "off", "balanced" or "budget=SIZE" (e.g. budget=64MiB), got "sometimes""#,
         ],
+    );
+    fails_with(
+        train_args(&run, 2, 0, &["--precision", "fp8"]),
+        &[r#"train.precision must be "f32", "bf16" or "f16", got "fp8""#],
     );
     fails_with(
         train_args(&run, 2, 0, &["--data", "/no/such/corpus.txt"]),
@@ -383,4 +391,26 @@ fn bad_inputs_are_named() {
         t.contains("expects parallel.world_size = 4 but the launcher started 2"),
         "{t}"
     );
+}
+
+#[test]
+fn mixed_precision_runs_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("f16");
+    let mut c = Command::new(KILN);
+    c.args(train_args(
+        &out,
+        4,
+        0,
+        &["--ranks", "2", "--strategy", "zero3", "--precision", "f16"],
+    ));
+    let t = run_ok(c);
+    assert!(t.contains("zero3 in f16 (f32 masters) on 2 rank(s)"), "{t}");
+    assert!(
+        t.contains("f16 loss scale 65536 at the end; 0 step(s) skipped"),
+        "{t}"
+    );
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains(r#""loss_scale":65536.0"#), "{metrics}");
+    assert!(metrics.contains(r#""skipped":false"#), "{metrics}");
 }

@@ -7,6 +7,7 @@ use crate::run::{Train, load_params};
 use crate::snapshot::Snapshot;
 use burn::backend::Flex;
 use burn::module::AutodiffModule;
+use burn::tensor::FloatDType;
 use kiln_hf::Pretrained;
 use std::path::{Path, PathBuf};
 
@@ -18,20 +19,29 @@ use std::path::{Path, PathBuf};
 /// # Errors
 /// No snapshot, a damaged or incomplete one, a file that cannot be written.
 pub fn export(snapshot: &Path, out: &Path) -> Result<PathBuf> {
+    export_as(snapshot, out, FloatDType::F32)
+}
+
+/// [`export`] with the weights in `dtype` (f32, bf16 or f16: the snapshot's f32 masters rounded
+/// to nearest), named in `config.json` as `torch_dtype`.
+///
+/// # Errors
+/// As [`export`].
+pub fn export_as(snapshot: &Path, out: &Path, dtype: FloatDType) -> Result<PathBuf> {
     let snap = Snapshot::open(snapshot)?;
     let meta = &snap.manifest.meta;
     match ModelSpec::from_json(&meta.model_kind, &meta.model_config)? {
-        ModelSpec::Gpt2(c) => write::<kiln_gpt2::Gpt2<Train<Flex>>>(&snap, &c, out),
-        ModelSpec::Llama(c) => write::<kiln_llama::Llama<Train<Flex>>>(&snap, &c, out),
+        ModelSpec::Gpt2(c) => write::<kiln_gpt2::Gpt2<Train<Flex>>>(&snap, &c, out, dtype),
+        ModelSpec::Llama(c) => write::<kiln_llama::Llama<Train<Flex>>>(&snap, &c, out, dtype),
     }
 }
 
-fn write<M>(snap: &Snapshot, config: &M::Config, out: &Path) -> Result<PathBuf>
+fn write<M>(snap: &Snapshot, config: &M::Config, out: &Path, dtype: FloatDType) -> Result<PathBuf>
 where
     M: Pretrained<Train<Flex>> + AutodiffModule<Train<Flex>>,
 {
     let model = M::from_config(config, &Default::default());
     let model = load_params::<Flex, _, M>(model, snap)?;
-    model.save_pretrained(config, out)?;
+    model.save_pretrained_as(config, out, dtype)?;
     Ok(out.join(kiln_hf::WEIGHTS_FILE))
 }

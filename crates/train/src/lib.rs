@@ -32,7 +32,7 @@ mod run;
 pub mod snapshot;
 
 pub use error::{Result, TrainError};
-pub use export::export;
+pub use export::{export, export_as};
 pub use model::{BYTE_VOCAB, ModelSpec};
 pub use recipe::{
     DEFAULT_TOML, DataRecipe, ModelRecipe, OutputRecipe, ParallelRecipe, Recipe, TrainRecipe,

@@ -141,6 +141,37 @@ fn an_export_is_the_trained_model_on_plain_burn() {
             (exported - reported).abs() <= 1e-5 * reported,
             "{kind}: exported model's loss {exported} vs the run's {reported}"
         );
+
+        // `--dtype bf16`: every weight is the f32 export's rounded to bf16, and the config says so.
+        let hf16 = dir.path().join(format!("hf-{kind}-bf16"));
+        kiln_train::export_as(&out, &hf16, burn::tensor::FloatDType::BF16).unwrap();
+        let open =
+            |d: &Path| kiln_hf::SafetensorsFile::open(d.join("model.safetensors"), "w").unwrap();
+        let (full, half) = (open(&hf), open(&hf16));
+        assert_eq!(full.names(), half.names());
+        for name in full.names() {
+            let want: Vec<f32> = full
+                .float(&name, None)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(|x| burn::tensor::bf16::from_f32(x).to_f32())
+                .collect();
+            let got = half.float(&name, None).unwrap().to_vec::<f32>().unwrap();
+            assert_eq!(got, want, "{kind}: {name} in bf16");
+        }
+        let size = |d: &Path| {
+            std::fs::metadata(d.join("model.safetensors"))
+                .unwrap()
+                .len()
+        };
+        assert!(
+            size(&hf16) * 2 < size(&hf) + 4096,
+            "bf16 weights take half the bytes"
+        );
+        let config = std::fs::read_to_string(hf16.join("config.json")).unwrap();
+        assert!(config.contains("\"torch_dtype\": \"bfloat16\""), "{config}");
     }
 }
 

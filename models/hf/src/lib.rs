@@ -47,5 +47,5 @@ pub use safetensors_file::SafetensorsFile;
 pub use tokenizer::ByteTokenizer;
 pub use weights::{
     HfGrads, HfNaming, HfTensorName, hf_grad_norms, hf_grads, hf_tensors, load_weights,
-    save_weights, write_tensors,
+    save_weights, save_weights_as, torch_dtype_name, write_tensors, write_tensors_as,
 };

@@ -57,6 +57,20 @@ pub trait Pretrained<B: Backend>: Module<B> + HfNaming + Sized {
     /// # Errors
     /// When a file cannot be written.
     fn save_pretrained(&self, config: &Self::Config, dir: impl AsRef<Path>) -> Result<(), HfError> {
+        self.save_pretrained_as(config, dir, burn::tensor::FloatDType::F32)
+    }
+
+    /// [`save_pretrained`](Self::save_pretrained) with the weights in `dtype` (f32, bf16 or
+    /// f16), named in `config.json` as `torch_dtype`.
+    ///
+    /// # Errors
+    /// When a file cannot be written.
+    fn save_pretrained_as(
+        &self,
+        config: &Self::Config,
+        dir: impl AsRef<Path>,
+        dtype: burn::tensor::FloatDType,
+    ) -> Result<(), HfError> {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir).map_err(|source| HfError::Io {
             op: "write",
@@ -64,6 +78,21 @@ pub trait Pretrained<B: Backend>: Module<B> + HfNaming + Sized {
             source,
         })?;
         crate::write_config(dir, config, Self::MODEL_TYPE, Self::ARCHITECTURE)?;
-        self.save_safetensors(dir.join(WEIGHTS_FILE))
+        let path = crate::config_path(dir);
+        let text = std::fs::read_to_string(&path).map_err(|source| HfError::Io {
+            op: "read",
+            path: path.clone(),
+            source,
+        })?;
+        let mut value: serde_json::Value =
+            serde_json::from_str(&text).expect("kiln wrote the config as JSON");
+        value["torch_dtype"] = crate::torch_dtype_name(dtype).into();
+        let text = serde_json::to_string_pretty(&value).expect("a JSON value serializes");
+        std::fs::write(&path, text + "\n").map_err(|source| HfError::Io {
+            op: "write",
+            path,
+            source,
+        })?;
+        crate::save_weights_as(self, dir.join(WEIGHTS_FILE), dtype)
     }
 }

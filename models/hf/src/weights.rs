@@ -10,7 +10,7 @@
 use crate::{HfError, SafetensorsFile};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
@@ -174,11 +174,12 @@ pub fn hf_tensors<B: Backend, M: Module<B> + HfNaming>(model: &M) -> Vec<(String
     collector.tensors
 }
 
-struct F32View<'a>(&'a TensorData);
+/// A tensor's bytes in the file's dtype.
+struct DataView<'a>(&'a TensorData, safetensors::Dtype);
 
-impl safetensors::View for F32View<'_> {
+impl safetensors::View for DataView<'_> {
     fn dtype(&self) -> safetensors::Dtype {
-        safetensors::Dtype::F32
+        self.1
     }
     fn shape(&self) -> &[usize] {
         &self.0.shape
@@ -204,6 +205,28 @@ pub fn save_weights<B: Backend, M: Module<B> + HfNaming>(
     write_tensors(path, &hf_tensors(model))
 }
 
+/// [`save_weights`] with every tensor rounded to `dtype` (f32, bf16 or f16; f64 is written as
+/// f32).
+///
+/// # Errors
+/// [`HfError::Io`] when the file cannot be written.
+pub fn save_weights_as<B: Backend, M: Module<B> + HfNaming>(
+    model: &M,
+    path: impl AsRef<Path>,
+    dtype: FloatDType,
+) -> Result<(), HfError> {
+    write_tensors_as(path, &hf_tensors(model), dtype)
+}
+
+/// The name transformers gives a dtype in `config.json` (`torch_dtype`).
+pub fn torch_dtype_name(dtype: FloatDType) -> &'static str {
+    match dtype {
+        FloatDType::BF16 => "bfloat16",
+        FloatDType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
 /// Writes `tensors` (converted to float32) to `path` as safetensors with
 /// `__metadata__ = {"format": "pt"}`.
 ///
@@ -213,19 +236,38 @@ pub fn write_tensors(
     path: impl AsRef<Path>,
     tensors: &[(String, TensorData)],
 ) -> Result<(), HfError> {
+    write_tensors_as(path, tensors, FloatDType::F32)
+}
+
+/// [`write_tensors`] in `dtype` (f32, bf16 or f16; f64 is written as f32).
+///
+/// # Errors
+/// [`HfError::Io`] when the file cannot be written.
+pub fn write_tensors_as(
+    path: impl AsRef<Path>,
+    tensors: &[(String, TensorData)],
+    dtype: FloatDType,
+) -> Result<(), HfError> {
     let path = path.as_ref();
+    let (want, file_dtype) = match dtype {
+        FloatDType::BF16 => (DType::BF16, safetensors::Dtype::BF16),
+        FloatDType::F16 => (DType::F16, safetensors::Dtype::F16),
+        _ => (DType::F32, safetensors::Dtype::F32),
+    };
     let tensors: Vec<(&str, Cow<'_, TensorData>)> = tensors
         .iter()
         .map(|(name, data)| {
-            let data = if data.dtype == DType::F32 {
+            let data = if data.dtype == want {
                 Cow::Borrowed(data)
             } else {
-                Cow::Owned(data.clone().convert::<f32>())
+                Cow::Owned(convert(data.clone(), want))
             };
             (name.as_str(), data)
         })
         .collect();
-    let views = tensors.iter().map(|(name, data)| (*name, F32View(data)));
+    let views = tensors
+        .iter()
+        .map(|(name, data)| (*name, DataView(data, file_dtype)));
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| match e {
         safetensors::SafeTensorError::IoError(source) => HfError::Io {
@@ -329,5 +371,14 @@ trait ElemInto {
 impl<E: burn::tensor::ElementConversion> ElemInto for E {
     fn elem_into(self) -> f64 {
         self.elem::<f64>()
+    }
+}
+
+/// `data` as `dtype` (f32, bf16 or f16), rounding to nearest.
+fn convert(data: TensorData, dtype: DType) -> TensorData {
+    match dtype {
+        DType::BF16 => data.convert::<half::bf16>(),
+        DType::F16 => data.convert::<half::f16>(),
+        _ => data.convert::<f32>(),
     }
 }
