@@ -506,6 +506,8 @@ where
             "mem_peak_bytes": stats.memory.map(|m| m.peak),
             "mem_activation_bytes": stats.memory.map(|m| m.peak_of(MemKind::Activations)),
             "remat_recomputations": stats.remat.map(|r| r.recomputations),
+            "remat_recompute_s": stats.remat.map(|r| r.recompute.as_secs_f64()),
+            "remat_policy_s": stats.remat.map(|r| r.policy.as_secs_f64()),
             "loss_scale": config.loss_scale.map(|s| s.scale),
             "skipped": stats.skipped,
         }))?;
