@@ -127,6 +127,20 @@ pub struct TrainRecipe {
     /// `f16` with dynamic loss scaling).
     #[serde(default = "default_precision")]
     pub precision: String,
+    /// f16's initial loss scale (PyTorch `GradScaler`'s `init_scale`).
+    #[serde(default = "default_loss_scale")]
+    pub loss_scale: f64,
+    /// f16: good steps after which the loss scale doubles (`growth_interval`).
+    #[serde(default = "default_loss_scale_growth")]
+    pub loss_scale_growth_interval: u32,
+}
+
+fn default_loss_scale() -> f64 {
+    65536.0
+}
+
+fn default_loss_scale_growth() -> u32 {
+    2000
 }
 
 fn default_remat() -> String {
@@ -205,6 +219,8 @@ impl Default for TrainRecipe {
             sample_chars: 160,
             remat: default_remat(),
             precision: default_precision(),
+            loss_scale: default_loss_scale(),
+            loss_scale_growth_interval: default_loss_scale_growth(),
         }
     }
 }
@@ -368,6 +384,19 @@ impl Recipe {
         self.strategy()?;
         self.remat()?;
         self.precision()?;
+        if !(self.train.loss_scale.is_finite() && self.train.loss_scale > 0.0) {
+            fail!(
+                Recipe,
+                "train.loss_scale must be a positive number, got {}",
+                self.train.loss_scale
+            );
+        }
+        if self.train.loss_scale_growth_interval == 0 {
+            fail!(
+                Recipe,
+                "train.loss_scale_growth_interval must be at least 1"
+            );
+        }
         Ok(())
     }
 
@@ -490,6 +519,13 @@ mod tests {
         );
         let e = with("fp8").unwrap_err().to_string();
         assert!(e.contains("train.precision") && e.contains("fp8"), "{e}");
+        let e = Recipe::load(None, &["train.loss_scale=0.0".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.loss_scale must be a positive number"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -369,7 +369,11 @@ where
     if let Err(e) = kiln_shard::precision::probe::<B>(precision, device) {
         fail!(Recipe, "train.precision = \"{}\": {e}", precision.name());
     }
-    let mut loss_scale = precision.needs_loss_scale().then(LossScale::default);
+    let mut loss_scale = precision.needs_loss_scale().then(|| LossScale {
+        scale: t.loss_scale,
+        good_steps: 0,
+        growth_interval: t.loss_scale_growth_interval,
+    });
     let (mut model, first_step, mut rng, mut optimizer_time) = match &resume_from {
         Some(snap) => {
             if let (Some(s), Some((scale, good))) = (&mut loss_scale, snap.manifest.meta.loss_scale)

@@ -72,3 +72,63 @@ fn bf16_and_f16_train_the_default_recipe_within_2_percent_of_f32() {
         );
     }
 }
+
+/// f16's loss scale is part of the training state: a run stopped after a snapshot and resumed
+/// continues the scale and its count of good steps (here doubling every 2 steps), with the
+/// same losses as a run that was never stopped.
+#[test]
+fn an_f16_run_resumes_its_loss_scale() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = |out: &str| {
+        Recipe::load(
+            None,
+            &[
+                "model.layers=1",
+                "model.heads=2",
+                "model.dim=16",
+                "model.context=16",
+                "train.seq_len=16",
+                "train.batch_size=4",
+                "train.steps=6",
+                "train.warmup_steps=2",
+                "train.eval_every=0",
+                "train.eval_batches=1",
+                "train.sample_chars=0",
+                "train.precision=\"f16\"",
+                "train.loss_scale=1024.0",
+                "train.loss_scale_growth_interval=2",
+                "data.synthetic_chars=20000",
+                "output.snapshot_every=3",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([format!(
+                "output.dir={:?}",
+                dir.path().join(out).display().to_string()
+            )])
+            .collect::<Vec<_>>(),
+        )
+        .unwrap()
+    };
+    let go = |r: &Recipe, resume: bool, stop_after: Option<usize>| {
+        let options = RunOptions {
+            resume,
+            overwrite: !resume,
+            stop_after,
+        };
+        train_threads::<Flex>(r, 2, options).unwrap()
+    };
+    let whole = go(&recipe("whole"), false, None);
+    let r = recipe("cut");
+    let first = go(&r, false, Some(3));
+    let rest = go(&r, true, None);
+    assert_eq!(whole.skipped_steps, 0);
+    // 1024 doubled after steps 2, 4 and 6.
+    assert_eq!(whole.loss_scale, Some(8192.0));
+    assert_eq!(first.loss_scale, Some(2048.0));
+    assert_eq!(
+        rest.loss_scale, whole.loss_scale,
+        "the resumed run lost its loss scale"
+    );
+    assert_eq!([first.losses, rest.losses].concat(), whole.losses);
+}
