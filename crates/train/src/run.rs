@@ -369,7 +369,7 @@ where
     if let Err(e) = kiln_shard::precision::probe::<B>(precision, device) {
         fail!(Recipe, "train.precision = \"{}\": {e}", precision.name());
     }
-    let mut loss_scale = precision.needs_loss_scale().then(|| LossScale {
+    let mut loss_scale = precision.needs_loss_scale().then_some(LossScale {
         scale: t.loss_scale,
         good_steps: 0,
         growth_interval: t.loss_scale_growth_interval,
