@@ -29,6 +29,7 @@ mod model;
 mod recipe;
 pub mod report;
 mod run;
+pub mod shared_dir;
 pub mod snapshot;
 
 pub use error::{Result, TrainError};

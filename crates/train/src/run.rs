@@ -310,6 +310,8 @@ where
         std::fs::write(out.join("recipe.toml"), recipe.to_toml())
             .io(|| format!("cannot write {}", out.join("recipe.toml").display()))?;
     }
+    // Every rank writes snapshots there: a directory some rank does not see is named now.
+    crate::shared_dir::check_shared(out, group.as_ref())?;
     if let Some(newest) = &existing
         && !options.resume
         && !options.overwrite
