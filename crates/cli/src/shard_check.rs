@@ -144,7 +144,7 @@ pub fn shard_check(args: &ShardCheckArgs) -> Result<bool> {
         );
         ok
     };
-    if std::env::var_os("RANK").is_some() {
+    if kiln_comm::LaunchEnv::launched() {
         let env = kiln_comm::LaunchEnv::from_env()?;
         let group: Arc<dyn ProcessGroup> = match args.backend.as_str() {
             "tcp" => Arc::new(TcpGroup::from_launch_env(&env, GroupOptions::default())?),

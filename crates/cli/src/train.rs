@@ -162,7 +162,7 @@ pub fn train(args: &TrainArgs) -> Result<()> {
         overwrite: args.overwrite,
         stop_after: args.stop_after,
     };
-    if std::env::var_os("RANK").is_some() {
+    if kiln_comm::LaunchEnv::launched() {
         let env = kiln_comm::LaunchEnv::from_env()?;
         let group: Arc<dyn ProcessGroup> = match recipe.parallel.backend.as_str() {
             "tcp" => Arc::new(TcpGroup::from_launch_env(&env, GroupOptions::default())?),

@@ -414,3 +414,50 @@ fn mixed_precision_runs_from_the_command_line() {
     assert!(metrics.contains(r#""loss_scale":65536.0"#), "{metrics}");
     assert!(metrics.contains(r#""skipped":false"#), "{metrics}");
 }
+
+/// `srun kiln train …`: each task finds its rank, the world and the master from SLURM's
+/// variables (no RANK), and the job trains exactly as under `kiln launch`.
+#[test]
+fn srun_variables_train_like_kiln_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (launched, srun) = (dir.path().join("launch"), dir.path().join("srun"));
+    let args = |out: &Path| train_args(out, 6, 0, &["--strategy", "zero3"]);
+    run_ok(launch(2, &args(&launched)));
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tasks: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(KILN)
+                .args(args(&srun))
+                .env("SLURM_JOB_ID", "4242")
+                .env("SLURM_STEP_ID", "0")
+                .env("SLURM_PROCID", rank.to_string())
+                .env("SLURM_LOCALID", rank.to_string())
+                .env("SLURM_NTASKS", "2")
+                .env("SLURM_NTASKS_PER_NODE", "2")
+                .env("SLURM_JOB_NODELIST", "localhost")
+                .env("MASTER_PORT", port.to_string())
+                .env("KILN_COMM_TIMEOUT", "60")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<String> = tasks
+        .into_iter()
+        .map(|task| {
+            let out = task.wait_with_output().unwrap();
+            assert!(out.status.success(), "{}", text(&out));
+            text(&out)
+        })
+        .collect();
+    assert!(outputs[0].contains("on 2 rank(s)"), "{}", outputs[0]);
+    let (a, b) = (losses(&srun), losses(&launched));
+    assert_eq!(a.len(), 6);
+    assert_eq!(a, b);
+}

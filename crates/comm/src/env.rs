@@ -39,6 +39,26 @@ pub struct LaunchEnv {
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
 impl LaunchEnv {
+    /// Whether this process was started by a launcher as one rank of a job: `RANK` or
+    /// `WORLD_SIZE` set (`kiln launch`, torchrun), a SLURM job step (`srun`: `SLURM_PROCID`
+    /// with `SLURM_STEP_ID`), or Open MPI's `mpirun` (`OMPI_COMM_WORLD_RANK`).
+    ///
+    /// A SLURM batch script also has `SLURM_PROCID` (0) and the allocation's `SLURM_NTASKS`,
+    /// but no step: a program run there directly is one process, not rank 0 of a job whose
+    /// other ranks would never come.
+    pub fn launched() -> bool {
+        Self::launched_by(|k| std::env::var(k).ok())
+    }
+
+    /// [`launched`](Self::launched) through `get`.
+    pub fn launched_by(get: impl Fn(&str) -> Option<String>) -> bool {
+        let set = |k: &str| get(k).is_some_and(|v| !v.trim().is_empty());
+        set("RANK")
+            || set("WORLD_SIZE")
+            || (set("SLURM_PROCID") && (set("SLURM_STEP_ID") || set("SLURM_STEPID")))
+            || set("OMPI_COMM_WORLD_RANK")
+    }
+
     /// Reads the process environment.
     ///
     /// # Errors
@@ -98,9 +118,14 @@ impl LaunchEnv {
 
     fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
         let rank = number(get, "SLURM_PROCID")?;
-        let world_size = number(get, "SLURM_NTASKS")?;
+        // Inside a job step (srun), the step's counts: a step may use part of the allocation.
+        let world_size = match get("SLURM_STEP_NUM_TASKS") {
+            Some(_) => number(get, "SLURM_STEP_NUM_TASKS")?,
+            None => number(get, "SLURM_NTASKS")?,
+        };
         let local_rank = number(get, "SLURM_LOCALID")?;
-        let local_world_size = match get("SLURM_NTASKS_PER_NODE") {
+        let per_node = get("SLURM_STEP_TASKS_PER_NODE").or_else(|| get("SLURM_NTASKS_PER_NODE"));
+        let local_world_size = match per_node {
             // "4" or "4(x2)" or "4(x2),3": the first node's count is ours when uniform.
             Some(v) => v
                 .split([',', '('])
@@ -330,6 +355,42 @@ mod tests {
         );
         assert_eq!(e.master_addr, "gpu07");
         assert_eq!(e.master_port, DEFAULT_MASTER_PORT);
+    }
+
+    #[test]
+    fn a_launched_rank_is_told_from_a_batch_script() {
+        let by = |vars: &[(&str, &str)]| {
+            LaunchEnv::launched_by(|k| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        assert!(by(&[("RANK", "0")]));
+        assert!(by(&[("OMPI_COMM_WORLD_RANK", "1")]));
+        // srun: a job step.
+        assert!(by(&[("SLURM_PROCID", "1"), ("SLURM_STEP_ID", "0")]));
+        // The batch script itself: one process, whatever the allocation's task count.
+        assert!(!by(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8")]));
+        assert!(!by(&[("RANK", " ")]));
+        assert!(!by(&[]));
+        // A step's own counts win over the allocation's.
+        let e = env(&[
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_STEP_NUM_TASKS", "4"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NTASKS_PER_NODE", "8(x2)"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x2)"),
+            ("SLURM_STEP_NODELIST", "cpu[2-3]"),
+            ("SLURM_JOB_NODELIST", "cpu[1-3]"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.local_world_size),
+            (2, 4, 0, 2)
+        );
+        assert_eq!(e.master_addr, "cpu2");
     }
 
     #[test]

@@ -225,7 +225,7 @@ fn main() -> Result<()> {
         bail!("no sizes between --min-size and --max-size");
     }
     let memcpy = memcpy_bandwidth(*sizes.last().expect("non-empty"));
-    if std::env::var_os("RANK").is_some() {
+    if kiln_comm::LaunchEnv::launched() {
         let group: Box<dyn ProcessGroup> = match args.backend.as_str() {
             "tcp" => Box::new(TcpGroup::from_env().context("joining the launched job")?),
             #[cfg(feature = "nccl")]
