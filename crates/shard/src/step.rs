@@ -104,119 +104,106 @@ where
         config.accumulate > 0,
         "kiln: a step needs at least one micro-batch"
     );
-    autocast(config.precision, || {
-        step_with_policy(model, optim, lr, config, loss)
-    })
-}
-
-fn step_with_policy<B, AB, M, O>(
-    model: M,
-    optim: &mut O,
-    lr: f64,
-    config: &StepConfig,
-    mut loss: impl FnMut(&M, usize) -> Tensor<AB, 1>,
-) -> (M, StepStats)
-where
-    B: Backend,
-    AB: AutodiffBackend<InnerBackend = Shard<B>>,
-    M: AutodiffModule<AB>,
-    O: Optimizer<M, AB>,
-{
-    let probe = MemoryProbe::start();
-    let pool = config.remat_budget.map(Pool::new);
-    let mut forward = |model: &M, i| {
-        with_kind(MemKind::Activations, || match &pool {
-            Some(pool) => recording(pool, || loss(model, i)),
-            None => loss(model, i),
-        })
-    };
-    // The loss differentiated: scaled under a loss scale (a power of two, so unscaling the
-    // gradients is exact).
-    let scale = config.loss_scale.map(|s| s.scale);
-    let scaled = |l: Tensor<AB, 1>| match scale {
-        Some(s) => l.mul_scalar(s),
-        None => l,
-    };
-    let mut total = 0.0;
-    let grads = if config.accumulate == 1 && !config.no_sync {
-        let l = forward(&model, 0);
-        total += l.clone().into_scalar().elem::<f64>();
-        let l = scaled(l);
-        with_kind(MemKind::Backward, || {
-            GradientsParams::from_grads(l.backward(), &model)
-        })
-    } else {
-        let mut acc = GradientsAccumulator::<M>::new();
-        for i in 0..config.accumulate {
-            let l = forward(&model, i);
+    // Forward, backward and the optimizer step under the precision policy (the optimizer's
+    // elementwise updates are not compute-bound ops, so they stay f32).
+    autocast(config.precision, move || {
+        let mut loss = loss;
+        let probe = MemoryProbe::start();
+        let pool = config.remat_budget.map(Pool::new);
+        let mut forward = |model: &M, i| {
+            with_kind(MemKind::Activations, || match &pool {
+                Some(pool) => recording(pool, || loss(model, i)),
+                None => loss(model, i),
+            })
+        };
+        // The loss differentiated: scaled under a loss scale (a power of two, so unscaling the
+        // gradients is exact).
+        let scale = config.loss_scale.map(|s| s.scale);
+        let scaled = |l: Tensor<AB, 1>| match scale {
+            Some(s) => l.mul_scalar(s),
+            None => l,
+        };
+        let mut total = 0.0;
+        let grads = if config.accumulate == 1 && !config.no_sync {
+            let l = forward(&model, 0);
             total += l.clone().into_scalar().elem::<f64>();
             let l = scaled(l);
-            let grads = with_kind(MemKind::Backward, || {
-                if config.no_sync {
-                    no_sync(&model, || backward(l, &model))
-                } else {
-                    backward(l, &model)
-                }
-            });
-            acc.accumulate(&model, grads);
+            with_kind(MemKind::Backward, || {
+                GradientsParams::from_grads(l.backward(), &model)
+            })
+        } else {
+            let mut acc = GradientsAccumulator::<M>::new();
+            for i in 0..config.accumulate {
+                let l = forward(&model, i);
+                total += l.clone().into_scalar().elem::<f64>();
+                let l = scaled(l);
+                let grads = with_kind(MemKind::Backward, || {
+                    if config.no_sync {
+                        no_sync(&model, || backward(l, &model))
+                    } else {
+                        backward(l, &model)
+                    }
+                });
+                acc.accumulate(&model, grads);
+            }
+            let grads = acc.grads();
+            if config.no_sync {
+                reduce_gradients(&model, grads)
+            } else {
+                grads
+            }
+        };
+        // One global norm serves clipping and the overflow check; every rank sees the same norm
+        // (the sharded parts are all-reduced, the whole gradients are equal), so every rank takes
+        // the same decision.
+        let norm = (config.clip.is_some() || scale.is_some())
+            .then(|| grad_norm::<B, AB, M>(&model, &grads));
+        let unscale = scale.map_or(1.0, |s| 1.0 / s);
+        let grad_norm = norm.map(|n| n * unscale);
+        if let (Some(s), Some(n)) = (config.loss_scale, norm)
+            && !n.is_finite()
+        {
+            drop(grads);
+            // Backward consumed the parameters' gradient-sync marks; the optimizer step would have
+            // set them again.
+            crate::remark::<B, AB, M>(&model);
+            return (
+                model,
+                StepStats {
+                    loss: total,
+                    grad_norm,
+                    memory: None,
+                    remat: pool.map(|p| p.stats()),
+                    loss_scale: Some(s.update(false)),
+                    skipped: true,
+                },
+            );
         }
-        let grads = acc.grads();
-        if config.no_sync {
-            reduce_gradients(&model, grads)
+        let clip = match (config.clip, grad_norm) {
+            (Some(max), Some(n)) => (max / (n + 1e-6)).min(1.0),
+            _ => 1.0,
+        };
+        let factor = unscale * clip;
+        let grads = if factor != 1.0 {
+            scale_grads::<AB, M>(&model, grads, factor)
         } else {
             grads
-        }
-    };
-    // One global norm serves clipping and the overflow check; every rank sees the same norm
-    // (the sharded parts are all-reduced, the whole gradients are equal), so every rank takes
-    // the same decision.
-    let norm =
-        (config.clip.is_some() || scale.is_some()).then(|| grad_norm::<B, AB, M>(&model, &grads));
-    let unscale = scale.map_or(1.0, |s| 1.0 / s);
-    let grad_norm = norm.map(|n| n * unscale);
-    if let (Some(s), Some(n)) = (config.loss_scale, norm)
-        && !n.is_finite()
-    {
-        drop(grads);
-        // Backward consumed the parameters' gradient-sync marks; the optimizer step would have
-        // set them again.
-        crate::remark::<B, AB, M>(&model);
-        return (
+        };
+        let grads_held = probe
+            .as_ref()
+            .map_or(0, |_| grad_bytes::<B, AB, M>(&model, &grads));
+        let model = optim.step(lr, model, grads);
+        let memory = probe.map(|p| p.finish(param_bytes::<B, AB, M>(&model), grads_held));
+        (
             model,
             StepStats {
                 loss: total,
                 grad_norm,
-                memory: None,
+                memory,
                 remat: pool.map(|p| p.stats()),
-                loss_scale: Some(s.update(false)),
-                skipped: true,
+                loss_scale: config.loss_scale.map(|s| s.update(true)),
+                skipped: false,
             },
-        );
-    }
-    let clip = match (config.clip, grad_norm) {
-        (Some(max), Some(n)) => (max / (n + 1e-6)).min(1.0),
-        _ => 1.0,
-    };
-    let factor = unscale * clip;
-    let grads = if factor != 1.0 {
-        scale_grads::<AB, M>(&model, grads, factor)
-    } else {
-        grads
-    };
-    let grads_held = probe
-        .as_ref()
-        .map_or(0, |_| grad_bytes::<B, AB, M>(&model, &grads));
-    let model = optim.step(lr, model, grads);
-    let memory = probe.map(|p| p.finish(param_bytes::<B, AB, M>(&model), grads_held));
-    (
-        model,
-        StepStats {
-            loss: total,
-            grad_norm,
-            memory,
-            remat: pool.map(|p| p.stats()),
-            loss_scale: config.loss_scale.map(|s| s.update(true)),
-            skipped: false,
-        },
-    )
+        )
+    })
 }

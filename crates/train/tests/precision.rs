@@ -5,6 +5,8 @@
 use burn::backend::Flex;
 use kiln_train::{Recipe, RunOptions, train_threads};
 
+mod common;
+
 fn run(out: &std::path::Path, precision: &str) -> kiln_train::Summary {
     let recipe = Recipe::load(
         None,
@@ -79,45 +81,15 @@ fn bf16_and_f16_train_the_default_recipe_within_2_percent_of_f32() {
 #[test]
 fn an_f16_run_resumes_its_loss_scale() {
     let dir = tempfile::tempdir().unwrap();
-    let recipe = |out: &str| {
-        Recipe::load(
-            None,
-            &[
-                "model.layers=1",
-                "model.heads=2",
-                "model.dim=16",
-                "model.context=16",
-                "train.seq_len=16",
-                "train.batch_size=4",
-                "train.steps=6",
-                "train.warmup_steps=2",
-                "train.eval_every=0",
-                "train.eval_batches=1",
-                "train.sample_chars=0",
-                "train.precision=\"f16\"",
-                "train.loss_scale=1024.0",
-                "train.loss_scale_growth_interval=2",
-                "data.synthetic_chars=20000",
-                "output.snapshot_every=3",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([format!(
-                "output.dir={:?}",
-                dir.path().join(out).display().to_string()
-            )])
-            .collect::<Vec<_>>(),
-        )
-        .unwrap()
-    };
-    let go = |r: &Recipe, resume: bool, stop_after: Option<usize>| {
-        let options = RunOptions {
-            resume,
-            overwrite: !resume,
-            stop_after,
-        };
-        train_threads::<Flex>(r, 2, options).unwrap()
-    };
+    let f16 = [
+        "train.precision=\"f16\"",
+        "train.loss_scale=1024.0",
+        "train.loss_scale_growth_interval=2",
+        "output.snapshot_every=3",
+    ];
+    let recipe = |out: &str| common::recipe(&dir.path().join(out), "ddp", &f16);
+    let go =
+        |r: &Recipe, resume: bool, stop_after: Option<usize>| common::run(r, 2, resume, stop_after);
     let whole = go(&recipe("whole"), false, None);
     let r = recipe("cut");
     let first = go(&r, false, Some(3));

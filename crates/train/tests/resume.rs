@@ -4,45 +4,12 @@
 use burn::backend::Flex;
 use burn::prelude::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
+use common::{recipe, run};
 use kiln_hf::{Pretrained, causal_lm_loss};
 use kiln_train::data::Corpus;
-use kiln_train::{Recipe, RunOptions, Summary, train_threads};
 use std::path::Path;
 
-/// A model and corpus small enough for debug builds: a step takes milliseconds.
-fn recipe(out: &Path, strategy: &str, extra: &[&str]) -> Recipe {
-    let mut o: Vec<String> = [
-        "model.layers=1",
-        "model.heads=2",
-        "model.dim=16",
-        "model.context=16",
-        "train.seq_len=16",
-        "train.batch_size=4",
-        "train.steps=6",
-        "train.warmup_steps=2",
-        "train.eval_every=0",
-        "train.eval_batches=2",
-        "train.sample_chars=0",
-        "data.synthetic_chars=20000",
-        "output.snapshot_every=0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    o.push(format!("parallel.strategy={strategy}"));
-    o.push(format!("output.dir={:?}", out.display().to_string()));
-    o.extend(extra.iter().map(|s| s.to_string()));
-    Recipe::load(None, &o).unwrap()
-}
-
-fn run(r: &Recipe, ranks: usize, resume: bool, stop_after: Option<usize>) -> Summary {
-    let options = RunOptions {
-        resume,
-        overwrite: !resume,
-        stop_after,
-    };
-    train_threads::<Flex>(r, ranks, options).unwrap()
-}
+mod common;
 
 #[test]
 fn an_interrupted_run_resumes_bit_for_bit() {
