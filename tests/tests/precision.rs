@@ -234,12 +234,12 @@ fn zero3_gathers_parameters_in_bf16_half_the_bytes() {
         bf16_losses[3] < bf16_losses[0],
         "bf16 training lowers the loss"
     );
-    // Two ranks against one (ZeRO-3 at world size 1 rounds its parameters alike): what differs
-    // is the order in which bf16 partial sums are rounded.
+    // Two ranks against one (ZeRO-3 at world size 1 rounds its parameters alike): the kiln
+    // parity bound, though bf16 partial sums are rounded in another order (measured 6.6e-9).
     let flat = |p: &[Vec<f32>]| p.concat();
     let e = rel(&flat(&bf16_params), &flat(&one_params));
     println!("bf16 ZeRO-3 x2 vs x1: parameters {e:.2e}");
-    assert!(e <= 1e-2, "bf16 x2 vs x1: {e:.2e}");
+    assert!(e <= 1e-5, "bf16 x2 vs x1: {e:.2e}");
 }
 
 /// f16 with a loss scale too large for f16: the first steps overflow, and every rank skips

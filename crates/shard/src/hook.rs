@@ -248,16 +248,12 @@ fn prepare<B: Backend>(m: &ModelState<B>, grads: Vec<(ShardTensor<B>, Shape)>) -
     if m.queue.is_none() {
         let on_device: Vec<_> = inner.iter().cloned().zip(shapes.iter().cloned()).collect();
         if let Some(done) = crate::on_device::reduce(m, &on_device) {
-            let widen = |t| crate::precision::widen::<B>(t, dtype);
             return Prepared::Done(
                 done.into_iter()
-                    .map(|t| match t {
-                        ShardTensor::Local(t) => ShardTensor::Local(widen(t)),
-                        ShardTensor::Sharded(mut s) => {
-                            s.shard = widen(s.shard);
-                            ShardTensor::Sharded(s)
-                        }
-                        t => t,
+                    .map(|t| {
+                        crate::ops::policy::unary(t, move |g| {
+                            crate::precision::widen::<B>(g, dtype)
+                        })
                     })
                     .collect(),
             );

@@ -306,13 +306,18 @@ where
     M: AutodiffModule<AB>,
 {
     let norm = grad_norm::<B, AB, M>(module, &grads);
-    let scale = (max_norm / (norm + 1e-6)).min(1.0);
+    let scale = clip_coefficient(max_norm, norm);
     let grads = if scale < 1.0 {
         scale_grads::<AB, M>(module, grads, scale)
     } else {
         grads
     };
     (grads, norm)
+}
+
+/// What gradients of global norm `norm` are multiplied by to clip them to `max_norm`.
+pub(crate) fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
+    (max_norm / (norm + 1e-6)).min(1.0)
 }
 
 /// The global L2 norm of the gradients over all ranks and shards (see [`clip_grad_norm`]);

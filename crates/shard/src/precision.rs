@@ -101,14 +101,7 @@ thread_local! {
 
 /// Runs `f` with `policy` active on this thread (nested calls restore the outer policy).
 pub fn autocast<R>(policy: Precision, f: impl FnOnce() -> R) -> R {
-    struct Restore(Precision);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            ACTIVE.with(|a| a.set(self.0));
-        }
-    }
-    let _restore = Restore(ACTIVE.with(|a| a.replace(policy)));
-    f()
+    crate::state::scoped(&ACTIVE, policy, f)
 }
 
 /// The policy active on this thread.
@@ -121,10 +114,11 @@ pub(crate) fn gather_dtype() -> FloatDType {
     active().compute
 }
 
-/// The dtype a tensor of `dtype` travels in when gathered in `gather` (only f32 is narrowed).
-pub(crate) fn gathered_dtype(dtype: DType, gather: FloatDType) -> DType {
-    if dtype == DType::F32 && gather != FloatDType::F32 {
-        gather.into()
+/// The dtype a tensor of `dtype` has when narrowed to `to` (only f32 is narrowed: other dtypes
+/// are the model's own choice).
+pub(crate) fn narrowed_dtype(dtype: DType, to: FloatDType) -> DType {
+    if dtype == DType::F32 && to != FloatDType::F32 {
+        to.into()
     } else {
         dtype
     }
@@ -136,14 +130,11 @@ pub(crate) fn narrow<B: Backend>(
     t: B::FloatTensorPrimitive,
     dtype: FloatDType,
 ) -> B::FloatTensorPrimitive {
-    if dtype != FloatDType::F32 && t.dtype() == DType::F32 {
-        B::float_cast(t, dtype)
-    } else {
-        t
-    }
+    let to = narrowed_dtype(t.dtype(), dtype);
+    widen::<B>(t, to)
 }
 
-/// `t` widened to `dtype` when it is not already of it.
+/// `t` cast to `dtype` when it is not already of it.
 pub(crate) fn widen<B: Backend>(
     t: B::FloatTensorPrimitive,
     dtype: DType,

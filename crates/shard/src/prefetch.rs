@@ -18,7 +18,7 @@
 use crate::ShardTensor;
 use crate::account::{MemKind, with_kind};
 use crate::ops::policy::{Host, all_gather_host, read};
-use crate::precision::{gather_dtype, gathered_dtype, narrow};
+use crate::precision::{gather_dtype, narrow, narrowed_dtype};
 use crate::state::ModelState;
 use crate::tensor::{ParamTag, Sharded};
 use burn_backend::distributed::DistributedParamId;
@@ -231,7 +231,7 @@ fn issue_next<B: Backend>(
             // Not registered (yet): stop here rather than skip, so the order stays simple.
             return;
         };
-        let size = shard.numel() * gathered_dtype(shard.shard.dtype(), dtype).size();
+        let size = shard.numel() * narrowed_dtype(shard.shard.dtype(), dtype).size();
         let work = submit(queue, shard, dtype);
         p.in_flight.push_back(Gather {
             id,

@@ -401,7 +401,7 @@ pub(crate) fn record_compute<B: Backend>(
     // The policy is taken when the op is recorded, so that a recomputation (in backward)
     // rounds its inputs exactly as the first run did.
     let policy = crate::precision::active();
-    if !policy.is_mixed() {
+    if policy.compute == burn_std::FloatDType::F32 {
         return record_as(Cost::Compute, inputs, op);
     }
     record_as(Cost::Compute, inputs, move |v| {

@@ -414,13 +414,23 @@ pub(crate) fn creating_sharded<R>(f: impl FnOnce(&mut Creation) -> R) -> Option<
 /// gathering the whole tensor: for per-rank snapshots and for measuring what a rank holds.
 /// No collective happens for such reads, so one rank may read alone.
 pub fn local_reads<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
+    scoped(&LOCAL_READS, true, f)
+}
+
+/// Runs `f` with the thread-local `key` set to `value`, restoring the outer value after (also
+/// when `f` panics).
+pub(crate) fn scoped<T: Copy + 'static, R>(
+    key: &'static std::thread::LocalKey<std::cell::Cell<T>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    struct Restore<T: Copy + 'static>(&'static std::thread::LocalKey<std::cell::Cell<T>>, T);
+    impl<T: Copy + 'static> Drop for Restore<T> {
         fn drop(&mut self) {
-            LOCAL_READS.with(|c| c.set(self.0));
+            self.0.with(|c| c.set(self.1));
         }
     }
-    let _restore = Restore(LOCAL_READS.with(|c| c.replace(true)));
+    let _restore = Restore(key, key.with(|c| c.replace(value)));
     f()
 }
 

@@ -11,7 +11,7 @@
 //! [`no_sync`]: crate::no_sync
 
 use crate::account::{MemKind, MemoryProbe, StepMemory, grad_bytes, param_bytes, with_kind};
-use crate::optim::{grad_norm, scale_grads};
+use crate::optim::{clip_coefficient, grad_norm, scale_grads};
 use crate::precision::{LossScale, Precision, autocast};
 use crate::remat::{Pool, RematStats, recording};
 use crate::{Shard, backward, no_sync, reduce_gradients};
@@ -163,7 +163,6 @@ where
         if let (Some(s), Some(n)) = (config.loss_scale, norm)
             && !n.is_finite()
         {
-            drop(grads);
             // Backward consumed the parameters' gradient-sync marks; the optimizer step would have
             // set them again.
             crate::remark::<B, AB, M>(&model);
@@ -180,7 +179,7 @@ where
             );
         }
         let clip = match (config.clip, grad_norm) {
-            (Some(max), Some(n)) => (max / (n + 1e-6)).min(1.0),
+            (Some(max), Some(n)) => clip_coefficient(max, n),
             _ => 1.0,
         };
         let factor = unscale * clip;
