@@ -1,0 +1,211 @@
+//! LoRA adapters (Hu et al. 2021) for any Burn module, without changing its type or code.
+//!
+//! ```text
+//! let model = lora(model, &LoraConfig { r: 8, alpha: 16.0, targets: vec!["q_proj".into()], ..Default::default() },
+//!                  <Llama<B> as HfNaming>::hf_tensor, &device)?;
+//! let logits = model.merged().forward(ids);   // W + (alpha/r)·(B A)ᵀ on each target
+//! model.save_peft(dir, "my-base")?;            // PEFT's adapter_config.json + adapter_model.safetensors
+//! ```
+//!
+//! - [`lora`] finds the targets by parameter path ([`config::matches`]: PEFT's names,
+//!   globs, `all-linear`), freezes the base (no gradients, so no optimizer state) and adds an
+//!   [`Adapter`] per target: `A` `[r, in]` Kaiming-uniform, `B` `[out, r]` zero.
+//! - [`Lora`] is itself a Burn module whose only trainable parameters are the adapters: Burn's
+//!   optimizers, kiln's sharding (`kiln_shard::shard`: the frozen base sharded under ZeRO-3, the
+//!   adapters replicated or sharded like any parameter) and `kiln_shard::step` take it as it is.
+//! - [`load_peft`] / [`Lora::save_peft`]: PEFT's files; [`Lora::merge`] / [`Lora::unmerge`].
+//!
+//! # The key decision: adapters as merged weights
+//! PEFT replaces each targeted `nn.Linear` with a layer computing `base(x) + s B A x`; kiln cannot
+//! replace a layer of a model whose code it does not own. Instead the forward runs on the base
+//! module with each targeted weight replaced by `W + s Aᵀ Bᵀ`, computed in the autodiff graph
+//! from the adapters ([`Lora::merged`]); backward brings the weight's gradient to `A` and `B`.
+//! This is exact (the same function; float rounding differs by the order of the sums, about
+//! 1e-7 relative), reaches every module, and costs per target one `[in, r] x [r, out]` product
+//! forward and backward, one merged weight held for backward, and the weight's full gradient
+//! `xᵀ dy` that PEFT's layer never forms (the frozen, untargeted weights get no gradient
+//! at all). What it cannot express is dropout on the adapter's input (PEFT's `lora_dropout`):
+//! [`lora`] refuses it rather than train something else.
+#![warn(missing_docs)]
+
+pub mod config;
+mod error;
+mod model;
+mod peft;
+
+pub use config::{ALL_LINEAR, LoraConfig};
+pub use error::LoraError;
+pub use model::{Adapter, Lora, Naming, Target, burn_names, find_targets, lora};
+pub use peft::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft, peft_key};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig, Relu};
+    use burn::tensor::{Distribution, Tensor, TensorData};
+
+    type B = Autodiff<Flex>;
+
+    /// A burn-nn model kiln does not know.
+    #[derive(Module, Debug)]
+    struct Mlp<B: burn::tensor::backend::Backend> {
+        up: Linear<B>,
+        down: Linear<B>,
+        act: Relu,
+    }
+
+    impl<B: burn::tensor::backend::Backend> Mlp<B> {
+        fn new(device: &B::Device) -> Self {
+            // `no_grad` initialises Burn's lazy parameters: clones of an uninitialised
+            // parameter would each draw their own values.
+            Mlp {
+                up: LinearConfig::new(6, 10).init(device),
+                down: LinearConfig::new(10, 3).init(device),
+                act: Relu,
+            }
+            .no_grad()
+        }
+        fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+            self.down.forward(self.act.forward(self.up.forward(x)))
+        }
+    }
+
+    fn config(targets: &[&str]) -> LoraConfig {
+        LoraConfig {
+            r: 2,
+            alpha: 6.0,
+            targets: targets.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn max_diff<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+        (a - b).abs().max().into_scalar()
+    }
+
+    #[test]
+    fn forward_is_base_plus_scaled_low_rank_and_only_adapters_learn() {
+        let device = Default::default();
+        let base = Mlp::<B>::new(&device);
+        let mut model = lora(base.clone(), &config(&["up"]), burn_names, &device).unwrap();
+        assert_eq!(model.targets.len(), 1);
+        assert_eq!(model.trainable_params(), 2 * 6 + 10 * 2);
+        // B starts at zero: the model starts as its base.
+        let x = Tensor::<B, 2>::random([4, 6], Distribution::Normal(0.0, 1.0), &device);
+        assert_eq!(
+            max_diff(model.merged().forward(x.clone()), base.forward(x.clone())),
+            0.0
+        );
+        // With B drawn too, the forward is PEFT's base(x) + s (x Aᵀ) Bᵀ.
+        model.adapters[0].b = burn::module::Param::from_tensor(Tensor::random(
+            [10, 2],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        ));
+        let (a, b) = (model.adapters[0].a.val(), model.adapters[0].b.val());
+        let up = base.up.forward(x.clone())
+            + x.clone()
+                .matmul(a.clone().transpose())
+                .matmul(b.clone().transpose())
+                .mul_scalar(3.0);
+        let want = base.down.forward(burn::tensor::activation::relu(up));
+        let got = model.merged().forward(x.clone());
+        assert!(max_diff(got.clone(), want) < 1e-5);
+        // Gradients reach the adapters only.
+        let grads = got.sum().backward();
+        assert!(model.adapters[0].a.val().grad(&grads).is_some());
+        assert!(model.adapters[0].b.val().grad(&grads).is_some());
+        assert!(model.base.up.weight.val().grad(&grads).is_none());
+        assert!(model.base.down.weight.val().grad(&grads).is_none());
+        // Merge, then unmerge.
+        let merged = model.merge();
+        assert!(max_diff(merged.forward(x.clone()), model.merged().forward(x.clone())) < 1e-5);
+        let back = model.unmerge(merged);
+        assert!(max_diff(back.up.weight.val(), base.up.weight.val()) < 1e-6);
+    }
+
+    #[test]
+    fn bad_targets_are_named() {
+        let device = Default::default();
+        let base = Mlp::<B>::new(&device);
+        let err = lora(base.clone(), &config(&["q_proj"]), burn_names, &device).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("'q_proj' matches no weight"), "{msg}");
+        assert!(msg.contains("up") && msg.contains("down"), "{msg}");
+        let err = lora(
+            base.clone(),
+            &LoraConfig {
+                r: 4,
+                ..config(&["down"])
+            },
+            burn_names,
+            &device,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("r = 4 does not fit 'down' (weight [10, 3])"),
+            "{err}"
+        );
+        let err = lora(
+            base.clone(),
+            &LoraConfig {
+                dropout: 0.1,
+                ..config(&["up"])
+            },
+            burn_names,
+            &device,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("dropout 0.1"), "{err}");
+        // all-linear takes both layers.
+        let all = lora(base, &config(&[ALL_LINEAR]), burn_names, &device).unwrap();
+        let modules: Vec<_> = all.targets.iter().map(|t| t.module.as_str()).collect();
+        assert_eq!(modules, ["up", "down"]);
+    }
+
+    #[test]
+    fn peft_files_round_trip() {
+        let device = Default::default();
+        let dir = std::env::temp_dir().join(format!("kiln-lora-rt-{}", std::process::id()));
+        let mut model = lora(Mlp::<B>::new(&device), &config(&["up"]), burn_names, &device).unwrap();
+        model.adapters[0].b = burn::module::Param::from_tensor(Tensor::from_data(
+            TensorData::new((0..20).map(|i| i as f32 / 7.0).collect(), [10, 2]),
+            &device,
+        ));
+        model.save_peft(&dir, "mlp").unwrap();
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap())
+                .unwrap();
+        assert_eq!(written["target_modules"], serde_json::json!(["up"]));
+        assert_eq!(written["r"], 2);
+        let loaded = load_peft(model.base.clone(), &dir, burn_names, &device).unwrap();
+        assert_eq!(loaded.targets, model.targets);
+        assert_eq!(loaded.scaling(), 3.0);
+        for (x, y) in loaded.adapters.iter().zip(&model.adapters) {
+            assert_eq!(x.a.val().into_data(), y.a.val().into_data());
+            assert_eq!(x.b.val().into_data(), y.b.val().into_data());
+        }
+        // Another base: the shapes are named.
+        let other = lora(
+            Mlp::<B>::new(&device),
+            &LoraConfig {
+                r: 3,
+                ..config(&["up"])
+            },
+            burn_names,
+            &device,
+        )
+        .unwrap();
+        other.save_peft(&dir, "mlp").unwrap();
+        std::fs::write(
+            dir.join(ADAPTER_CONFIG),
+            r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4}"#,
+        )
+        .unwrap();
+        let err = load_peft(model.base.clone(), &dir, burn_names, &device).unwrap_err();
+        assert!(err.to_string().contains("is [3, 6]"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,367 @@
+//! [`Lora`]: a Burn module with adapters on some of its weights, its base frozen.
+
+use crate::config::{LoraConfig, matches};
+use crate::error::LoraError;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use kiln_hf::HfTensorName;
+use std::collections::HashMap;
+
+/// How a model's parameters are named in files and target patterns: Hugging Face names for
+/// kiln's HF models (`<Llama<B> as HfNaming>::hf_tensor`), Burn's own paths ([`burn_names`])
+/// for any other module.
+pub type Naming = fn(&str) -> HfTensorName;
+
+/// Burn's parameter paths as they are (`layers.0.linear.weight`).
+pub fn burn_names(path: &str) -> HfTensorName {
+    HfTensorName {
+        name: path.to_string(),
+        transposed: false,
+    }
+}
+
+/// One adapted weight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The Burn path of the weight (`model.layers.0.self_attn.q_proj.weight`).
+    pub path: String,
+    /// The module path in the model's naming, without `.weight` (PEFT's module key).
+    pub module: String,
+    /// The weight's first dimension: the input features of a Burn `Linear` (`[in, out]`).
+    pub fan_in: usize,
+    /// The weight's second dimension.
+    pub fan_out: usize,
+    /// Whether the file layout is the transpose of Burn's (`nn.Linear`'s `[out, in]`); false for
+    /// GPT-2's Conv1D, PEFT's `fan_in_fan_out`.
+    pub transposed: bool,
+}
+
+/// The low-rank update of one weight: `A` `[r, in]`, `B` `[out, r]` (PEFT's `lora_A.weight` and
+/// `lora_B.weight`, in PEFT's orientation whatever the base's layout).
+#[derive(Module, Debug)]
+pub struct Adapter<B: Backend> {
+    /// `lora_A`.
+    pub a: Param<Tensor<B, 2>>,
+    /// `lora_B`.
+    pub b: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Adapter<B> {
+    /// `scaling · Aᵀ Bᵀ`: the update in Burn's `[in, out]` layout (`(B A)ᵀ`), for a weight `x W`.
+    pub fn delta(&self, scaling: f64) -> Tensor<B, 2> {
+        self.a
+            .val()
+            .transpose()
+            .matmul(self.b.val().transpose())
+            .mul_scalar(scaling)
+    }
+}
+
+/// `base` with low-rank adapters on its [`targets`](Lora::targets).
+///
+/// Only the adapters are trainable (the base is frozen: no gradients, no optimizer state), so a
+/// `Lora` goes to [`kiln_shard::step`]-style training and any Burn optimizer unchanged. Its
+/// forward is the base's forward on [`merged`](Lora::merged) weights `W + s Aᵀ Bᵀ`: built in
+/// the autodiff graph each forward, which reaches any model without changing its code, and
+/// equals PEFT's `base(x) + s B A x` up to float rounding.
+///
+/// [`kiln_shard::step`]: https://docs.rs/kiln-shard
+#[derive(Module, Debug)]
+pub struct Lora<B: Backend, M: Module<B>> {
+    /// The frozen model.
+    pub base: M,
+    /// One adapter per target, in target order.
+    pub adapters: Vec<Adapter<B>>,
+    /// The adapted weights.
+    #[module(skip)]
+    pub targets: Vec<Target>,
+    /// How the adapters were made.
+    #[module(skip)]
+    pub config: LoraConfig,
+    /// How the base names its parameters.
+    #[module(skip)]
+    pub naming: Naming,
+}
+
+/// A float parameter of a module as the target search sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct Candidate {
+    pub path: String,
+    pub name: HfTensorName,
+    pub container: String,
+    pub dims: Vec<usize>,
+}
+
+impl Candidate {
+    /// Only weights are targets: a bias or a norm's gain has no low-rank update.
+    pub fn is_weight(&self) -> bool {
+        self.name.name.ends_with(".weight") || self.name.name == "weight"
+    }
+
+    /// The module path in the model's naming: the name without `.weight`.
+    pub fn module(&self) -> &str {
+        self.name
+            .name
+            .strip_suffix(".weight")
+            .unwrap_or(&self.name.name)
+    }
+}
+
+/// Every float parameter of `module`, with its path, name and innermost container type.
+pub(crate) fn candidates<B: Backend, M: Module<B>>(module: &M, naming: Naming) -> Vec<Candidate> {
+    struct Find {
+        stack: Vec<(String, String)>,
+        naming: Naming,
+        found: Vec<Candidate>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Find {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.stack.push((name.to_string(), container.to_string()));
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let path = self
+                .stack
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(".");
+            // Burn enters a parameter's field with the type of the struct that holds it.
+            let container = self
+                .stack
+                .last()
+                .map(|(_, c)| c.clone())
+                .unwrap_or_default();
+            self.found.push(Candidate {
+                name: (self.naming)(&path),
+                path,
+                container,
+                dims: param.shape().to_vec(),
+            });
+        }
+    }
+    let mut find = Find {
+        stack: Vec::new(),
+        naming,
+        found: Vec::new(),
+    };
+    module.visit(&mut find);
+    find.found
+}
+
+/// The weights of `module` that `config.targets` select.
+///
+/// # Errors
+/// A pattern matching nothing (with some module paths that exist), a selected parameter that is
+/// not a matrix, `r` above a target's smaller dimension.
+pub fn find_targets<B: Backend, M: Module<B>>(
+    module: &M,
+    config: &LoraConfig,
+    naming: Naming,
+) -> Result<Vec<Target>, LoraError> {
+    let all = candidates::<B, M>(module, naming);
+    let mut chosen = vec![false; all.len()];
+    for pattern in &config.targets {
+        let mut any = false;
+        for (c, chosen) in all.iter().zip(&mut chosen) {
+            if c.is_weight() && matches(pattern, c.module(), &c.container) {
+                *chosen = true;
+                any = true;
+            }
+        }
+        if !any {
+            let modules: Vec<&str> = all
+                .iter()
+                .filter(|c| c.is_weight())
+                .map(Candidate::module)
+                .collect();
+            return Err(LoraError::NoMatch {
+                pattern: pattern.clone(),
+                examples: modules.iter().take(12).map(|s| s.to_string()).collect(),
+            });
+        }
+    }
+    let mut targets = Vec::new();
+    for (c, _) in all.into_iter().zip(chosen).filter(|(_, chosen)| *chosen) {
+        let &[fan_in, fan_out] = c.dims.as_slice() else {
+            return Err(LoraError::NotMatrix {
+                module: c.module().to_string(),
+                dims: c.dims.clone(),
+            });
+        };
+        if config.r == 0 || config.r > fan_in.min(fan_out) {
+            return Err(LoraError::Rank {
+                r: config.r,
+                module: c.module().to_string(),
+                dims: c.dims.clone(),
+            });
+        }
+        targets.push(Target {
+            module: c.module().to_string(),
+            path: c.path,
+            fan_in,
+            fan_out,
+            transposed: c.name.transposed,
+        });
+    }
+    Ok(targets)
+}
+
+/// SplitMix64: a seeded stream for the adapters' initial draws, identical on every rank.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_f32(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Puts adapters on the weights of `base` that `config` selects, and freezes the base.
+///
+/// `A` is drawn as PEFT draws it (Kaiming-uniform with `a = sqrt(5)`: uniform in
+/// `±1/sqrt(in)`), seeded by `config.seed` and the target's path so every rank draws the same;
+/// `B` is zero, so the model starts equal to its base.
+///
+/// # Errors
+/// As [`find_targets`]; a dropout other than 0.
+pub fn lora<B: Backend, M: Module<B>>(
+    base: M,
+    config: &LoraConfig,
+    naming: Naming,
+    device: &B::Device,
+) -> Result<Lora<B, M>, LoraError> {
+    if config.dropout != 0.0 {
+        return Err(LoraError::Dropout(config.dropout));
+    }
+    let targets = find_targets::<B, M>(&base, config, naming)?;
+    let adapters = targets
+        .iter()
+        .map(|t| {
+            let seed = config.seed ^ fnv1a(t.path.as_bytes());
+            let mut rng = SplitMix64(seed);
+            let bound = 1.0 / (t.fan_in as f32).sqrt();
+            let a: Vec<f32> = (0..config.r * t.fan_in)
+                .map(|_| (2.0 * rng.next_f32() - 1.0) * bound)
+                .collect();
+            Adapter {
+                a: Param::from_tensor(Tensor::from_data(
+                    TensorData::new(a, [config.r, t.fan_in]),
+                    device,
+                )),
+                b: Param::from_tensor(Tensor::zeros([t.fan_out, config.r], device)),
+            }
+        })
+        .collect();
+    Ok(Lora {
+        base: base.no_grad(),
+        adapters,
+        targets,
+        config: config.clone(),
+        naming,
+    })
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Replaces the weights at some paths by `f(weight, delta)`.
+struct Apply<B: Backend, F> {
+    stack: Vec<String>,
+    deltas: HashMap<String, Tensor<B, 2>>,
+    f: F,
+}
+
+impl<B: Backend, F: FnMut(Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>> ModuleMapper<B>
+    for Apply<B, F>
+{
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.stack.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.stack.pop();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(delta) = self.deltas.remove(&self.stack.join(".")) else {
+            return param;
+        };
+        let (id, w, mapper): (ParamId, _, _) = param.consume();
+        // Targets are rank 2 (checked when they were found): the casts only restate D = 2.
+        let w = Tensor::<B, 2>::from_primitive(w.into_primitive());
+        let out = Tensor::<B, D>::from_primitive((self.f)(w, delta).into_primitive());
+        Param::from_mapped_value(id, out, mapper)
+    }
+}
+
+impl<B: Backend, M: Module<B>> Lora<B, M> {
+    /// The scale of the adapters' product.
+    pub fn scaling(&self) -> f64 {
+        self.config.scaling()
+    }
+
+    fn apply(
+        &self,
+        base: M,
+        detach: bool,
+        f: impl FnMut(Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>,
+    ) -> M {
+        let s = self.scaling();
+        let deltas = self
+            .targets
+            .iter()
+            .zip(&self.adapters)
+            .map(|(t, a)| {
+                let d = a.delta(s);
+                (t.path.clone(), if detach { d.detach() } else { d })
+            })
+            .collect();
+        base.map(&mut Apply {
+            stack: Vec::new(),
+            deltas,
+            f,
+        })
+    }
+
+    /// The base with `W + s Aᵀ Bᵀ` in place of each target, differentiable in the adapters:
+    /// the model to run forward. Cheap: untouched parameters are shared, and each merged
+    /// weight costs one `[in, r] x [r, out]` product.
+    pub fn merged(&self) -> M {
+        self.apply(self.base.clone(), false, |w, d| w + d)
+    }
+
+    /// The base with the adapters merged in for good (`W += s (B A)ᵀ`), detached from the
+    /// adapters: what deployment loads.
+    pub fn merge(&self) -> M {
+        self.apply(self.base.clone(), true, |w, d| w + d)
+    }
+
+    /// The base back from a merged model (`W -= s (B A)ᵀ`), up to float rounding.
+    pub fn unmerge(&self, merged: M) -> M {
+        self.apply(merged, true, |w, d| w - d)
+    }
+
+    /// The number of adapter parameters (the trainable ones).
+    pub fn trainable_params(&self) -> usize {
+        self.adapters.iter().map(Module::num_params).sum()
+    }
+
+    /// The number of base parameters (frozen).
+    pub fn base_params(&self) -> usize {
+        self.base.num_params()
+    }
+
+    /// The base's float parameters as candidates, for naming checks.
+    pub(crate) fn candidates(&self) -> Vec<Candidate> {
+        candidates::<B, M>(&self.base, self.naming)
+    }
+}
