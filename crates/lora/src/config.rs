@@ -104,7 +104,11 @@ mod tests {
 
     #[test]
     fn names_match_whole_components_only() {
-        assert!(matches("q_proj", "model.layers.0.self_attn.q_proj", "Struct:Linear"));
+        assert!(matches(
+            "q_proj",
+            "model.layers.0.self_attn.q_proj",
+            "Struct:Linear"
+        ));
         assert!(matches("c_proj", "transformer.h.1.mlp.c_proj", ""));
         assert!(matches("mlp.c_proj", "transformer.h.1.mlp.c_proj", ""));
         assert!(!matches("proj", "model.layers.0.self_attn.q_proj", ""));
@@ -114,14 +118,26 @@ mod tests {
     #[test]
     fn globs_span_dots() {
         assert!(matches("*.attn.c_attn", "transformer.h.0.attn.c_attn", ""));
-        assert!(matches("*layers.1.*_proj", "model.layers.1.mlp.up_proj", ""));
-        assert!(!matches("*layers.1.*_proj", "model.layers.0.mlp.up_proj", ""));
+        assert!(matches(
+            "*layers.1.*_proj",
+            "model.layers.1.mlp.up_proj",
+            ""
+        ));
+        assert!(!matches(
+            "*layers.1.*_proj",
+            "model.layers.0.mlp.up_proj",
+            ""
+        ));
         assert!(!matches("*.c_attn", "transformer.h.0.attn.c_attn.x", ""));
     }
 
     #[test]
     fn all_linear_leaves_the_output_layer() {
-        assert!(matches(ALL_LINEAR, "transformer.h.0.mlp.c_fc", "Struct:Linear"));
+        assert!(matches(
+            ALL_LINEAR,
+            "transformer.h.0.mlp.c_fc",
+            "Struct:Linear"
+        ));
         assert!(!matches(ALL_LINEAR, "lm_head", "Struct:Linear"));
         assert!(!matches(ALL_LINEAR, "transformer.wte", "Struct:Embedding"));
     }
@@ -134,13 +150,6 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(c.scaling(), 2.0);
-        assert_eq!(
-            LoraConfig {
-                rslora: true,
-                ..c
-            }
-            .scaling(),
-            4.0
-        );
+        assert_eq!(LoraConfig { rslora: true, ..c }.scaling(), 4.0);
     }
 }

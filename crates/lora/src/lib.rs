@@ -32,21 +32,23 @@ pub mod config;
 mod error;
 mod model;
 mod peft;
+pub mod verify;
 
 pub use config::{ALL_LINEAR, LoraConfig};
 pub use error::LoraError;
 pub use model::{Adapter, Lora, Naming, Target, burn_names, find_targets, lora};
 pub use peft::{ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft, peft_key};
+pub use verify::{Check, verify_lora};
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::{Autodiff, Flex};
     use burn::module::Module;
     use burn::nn::{Linear, LinearConfig, Relu};
     use burn::tensor::{Distribution, Tensor, TensorData};
+    use kiln::{Flex, Train};
 
-    type B = Autodiff<Flex>;
+    type B = Train<Flex>;
 
     /// A burn-nn model kiln does not know.
     #[derive(Module, Debug)]
@@ -145,7 +147,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            err.to_string().contains("r = 4 does not fit 'down' (weight [10, 3])"),
+            err.to_string()
+                .contains("r = 4 does not fit 'down' (weight [10, 3])"),
             "{err}"
         );
         let err = lora(
@@ -169,7 +172,13 @@ mod tests {
     fn peft_files_round_trip() {
         let device = Default::default();
         let dir = std::env::temp_dir().join(format!("kiln-lora-rt-{}", std::process::id()));
-        let mut model = lora(Mlp::<B>::new(&device), &config(&["up"]), burn_names, &device).unwrap();
+        let mut model = lora(
+            Mlp::<B>::new(&device),
+            &config(&["up"]),
+            burn_names,
+            &device,
+        )
+        .unwrap();
         model.adapters[0].b = burn::module::Param::from_tensor(Tensor::from_data(
             TensorData::new((0..20).map(|i| i as f32 / 7.0).collect(), [10, 2]),
             &device,

@@ -52,13 +52,10 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             .map(|m| m.rsplit('.').next().unwrap_or(m))
             .collect();
         let candidates = self.candidates();
-        let exact = candidates
-            .iter()
-            .filter(|c| c.is_weight())
-            .all(|c| {
-                let selected = names.iter().any(|n| matches(n, c.module(), ""));
-                selected == adapted.contains(c.module())
-            });
+        let exact = candidates.iter().filter(|c| c.is_weight()).all(|c| {
+            let selected = names.iter().any(|n| matches(n, c.module(), ""));
+            selected == adapted.contains(c.module())
+        });
         if exact {
             json!(names)
         } else {
@@ -140,12 +137,16 @@ fn read_config(dir: &Path) -> Result<LoraConfig, LoraError> {
         Some(other) => return Err(unsupported(format!("bias = \"{other}\" (trained biases)"))),
     }
     if field("modules_to_save").is_some_and(|m| m.as_array().is_none_or(|a| !a.is_empty())) {
-        return Err(unsupported("modules_to_save (fully trained modules)".into()));
+        return Err(unsupported(
+            "modules_to_save (fully trained modules)".into(),
+        ));
     }
     if field("rank_pattern").is_some_and(|m| m.as_object().is_none_or(|o| !o.is_empty()))
         || field("alpha_pattern").is_some_and(|m| m.as_object().is_none_or(|o| !o.is_empty()))
     {
-        return Err(unsupported("rank_pattern / alpha_pattern (per-module ranks)".into()));
+        return Err(unsupported(
+            "rank_pattern / alpha_pattern (per-module ranks)".into(),
+        ));
     }
     let r = field("r")
         .and_then(Value::as_u64)
