@@ -38,6 +38,10 @@ struct Cli {
 enum Command {
     /// Train a GPT-2 or Llama model from a recipe (CPU by default; threads or launched ranks).
     Train(Box<train::TrainArgs>),
+    /// Fine-tune LoRA adapters of a pretrained base (a Hugging Face directory); the base stays
+    /// frozen. Writes PEFT's adapter files, optionally a merged model. Takes `kiln train`'s
+    /// options (ranks, strategy, precision, snapshots, --resume).
+    Finetune(Box<train::FinetuneArgs>),
     /// Write a training snapshot as a Hugging Face directory (config.json, model.safetensors).
     Export(train::ExportArgs),
     /// Start the local ranks of a (possibly multi-node) job.
@@ -151,6 +155,13 @@ fn main() {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("kiln train: error: {e:#}");
+                1
+            }
+        },
+        Command::Finetune(args) => match train::finetune(args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("kiln finetune: error: {e:#}");
                 1
             }
         },

@@ -157,6 +157,116 @@ pub fn train(args: &TrainArgs) -> Result<()> {
         return Ok(());
     }
     let recipe = Recipe::load(args.recipe.as_deref(), &args.overrides())?;
+    if recipe.lora.is_some() {
+        bail!("the recipe has a [lora] section: fine-tune with `kiln finetune`");
+    }
+    run(&recipe, args)
+}
+
+/// Arguments of `kiln finetune`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FinetuneArgs {
+    /// The pretrained base: a Hugging Face directory (model.from).
+    #[arg(long)]
+    base: Option<PathBuf>,
+    /// lora.r: the adapters' rank (default 8).
+    #[arg(long)]
+    lora_r: Option<usize>,
+    /// lora.alpha: updates scaled by alpha / r (default 2 r).
+    #[arg(long)]
+    lora_alpha: Option<f64>,
+    /// lora.targets, comma-separated: module names (q_proj, PEFT's rule), globs
+    /// (*.attn.c_attn) or all-linear. Default: the attention projections (Llama: q_proj,
+    /// k_proj, v_proj, o_proj; GPT-2: c_attn, attn.c_proj).
+    #[arg(long, value_delimiter = ',')]
+    targets: Vec<String>,
+    /// lora.adapter: start from this PEFT adapter directory (its r, alpha and targets).
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// lora.merge_into: after training, write the base with the adapters merged in here.
+    #[arg(long)]
+    merge_into: Option<PathBuf>,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+/// The attention projections of a base, by its `model_type`.
+fn default_targets(model_type: &str) -> &'static [&'static str] {
+    match model_type {
+        "gpt2" => &["c_attn", "attn.c_proj"],
+        _ => &["q_proj", "k_proj", "v_proj", "o_proj"],
+    }
+}
+
+pub fn finetune(args: &FinetuneArgs) -> Result<()> {
+    let t = &args.train;
+    if t.print_recipe {
+        println!("{}", kiln_train::DEFAULT_TOML.trim_end());
+        println!(
+            "\n[lora]\nr = 8\nalpha = 16.0\ntargets = [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"]"
+        );
+        return Ok(());
+    }
+    // What the recipe file already says about LoRA: flags and defaults fill in the rest.
+    let file: toml::Table = match &t.recipe {
+        Some(p) => {
+            toml::from_str(&std::fs::read_to_string(p).unwrap_or_default()).unwrap_or_default()
+        }
+        None => toml::Table::new(),
+    };
+    let in_file = |key: &str| {
+        file.get("lora")
+            .and_then(|l| l.as_table())
+            .is_some_and(|l| l.contains_key(key))
+    };
+    let from = args.base.clone().or_else(|| {
+        file.get("model")
+            .and_then(|m| m.get("from"))
+            .and_then(|f| f.as_str())
+            .map(PathBuf::from)
+    });
+    let Some(from) = from else {
+        bail!("kiln finetune needs a pretrained base: --base DIR (a Hugging Face directory)");
+    };
+    let mut o = vec![format!("model.from={}", quote(from.display().to_string()))];
+    let r = args.lora_r.unwrap_or(8);
+    if args.lora_r.is_some() || !in_file("r") {
+        o.push(format!("lora.r={r}"));
+    }
+    if args.lora_alpha.is_some() || !in_file("alpha") {
+        o.push(format!(
+            "lora.alpha={:?}",
+            args.lora_alpha.unwrap_or(2.0 * r as f64)
+        ));
+    }
+    if !args.targets.is_empty() || !in_file("targets") {
+        let targets: Vec<String> = if args.targets.is_empty() {
+            let kind = kiln_hf::model_type(&from)?;
+            default_targets(&kind)
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        } else {
+            args.targets.clone()
+        };
+        let list: Vec<String> = targets.into_iter().map(quote).collect();
+        o.push(format!("lora.targets=[{}]", list.join(", ")));
+    }
+    if let Some(dir) = &args.adapter {
+        o.push(format!("lora.adapter={}", quote(dir.display().to_string())));
+    }
+    if let Some(dir) = &args.merge_into {
+        o.push(format!(
+            "lora.merge_into={}",
+            quote(dir.display().to_string())
+        ));
+    }
+    o.extend(t.overrides());
+    let recipe = Recipe::load(t.recipe.as_deref(), &o)?;
+    run(&recipe, t)
+}
+
+fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
     let options = RunOptions {
         resume: args.resume,
         overwrite: args.overwrite,
@@ -186,7 +296,7 @@ pub fn train(args: &TrainArgs) -> Result<()> {
             local_world_size: env.local_world_size,
             sharing,
         };
-        rank_on_device(&recipe, group, true, options, &args.device, slot)?;
+        rank_on_device(recipe, group, true, options, &args.device, slot)?;
         return Ok(());
     }
     let ranks = recipe.parallel.ranks;
@@ -201,7 +311,7 @@ pub fn train(args: &TrainArgs) -> Result<()> {
             local_world_size: ranks,
             sharing: DeviceSharing::RoundRobin,
         };
-        rank_on_device(&recipe, Arc::new(g), false, options, &args.device, slot)
+        rank_on_device(recipe, Arc::new(g), false, options, &args.device, slot)
     });
     kiln_train::rank_zero_or_root_cause(results)?;
     Ok(())

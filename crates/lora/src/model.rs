@@ -365,3 +365,16 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
         candidates::<B, M>(&self.base, self.naming)
     }
 }
+
+/// A language model with adapters is a language model: its forward runs on the merged weights.
+impl<B: Backend, M: Module<B> + kiln_hf::CausalLm<B>> kiln_hf::CausalLm<B> for Lora<B, M> {
+    fn forward(&self, input_ids: Tensor<B, 2, burn::tensor::Int>) -> Tensor<B, 3> {
+        self.merged().forward(input_ids)
+    }
+    fn vocab_size(&self) -> usize {
+        self.base.vocab_size()
+    }
+    fn max_seq_len(&self) -> Option<usize> {
+        self.base.max_seq_len()
+    }
+}

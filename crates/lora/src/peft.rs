@@ -71,7 +71,20 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
     /// # Errors
     /// When a file cannot be written.
     pub fn save_peft(&self, dir: &Path, base_model: &str) -> Result<(), LoraError> {
-        let tensors = self.adapter_tensors();
+        self.write_peft(dir, base_model, &self.adapter_tensors())
+    }
+
+    /// [`save_peft`](Self::save_peft) with the tensors already read
+    /// ([`adapter_tensors`](Self::adapter_tensors)): under sharding every rank reads, one writes.
+    ///
+    /// # Errors
+    /// When a file cannot be written.
+    pub fn write_peft(
+        &self,
+        dir: &Path,
+        base_model: &str,
+        tensors: &[(String, TensorData)],
+    ) -> Result<(), LoraError> {
         std::fs::create_dir_all(dir).map_err(|source| LoraError::Io {
             op: "create",
             path: dir.to_path_buf(),
@@ -103,7 +116,7 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             path,
             source,
         })?;
-        kiln_hf::write_tensors(dir.join(ADAPTER_WEIGHTS), &tensors)?;
+        kiln_hf::write_tensors(dir.join(ADAPTER_WEIGHTS), tensors)?;
         Ok(())
     }
 }

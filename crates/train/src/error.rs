@@ -49,6 +49,10 @@ pub enum TrainError {
     /// A Hugging Face checkpoint could not be read or written.
     #[error(transparent)]
     Hf(#[from] HfError),
+    /// LoRA adapters: a target matching nothing, a rank that does not fit, an adapter
+    /// directory for another base.
+    #[error(transparent)]
+    Lora(#[from] kiln_lora::LoraError),
     /// One rank's failure, in a run of ranks as threads (its error is the source).
     #[error("rank {rank} failed")]
     Rank {

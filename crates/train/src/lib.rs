@@ -26,6 +26,7 @@ mod export;
 pub mod init;
 pub mod metrics;
 mod model;
+mod plan;
 mod recipe;
 pub mod report;
 mod run;
@@ -36,7 +37,8 @@ pub use error::{Result, TrainError};
 pub use export::{export, export_as};
 pub use model::{BYTE_VOCAB, ModelSpec};
 pub use recipe::{
-    DEFAULT_TOML, DataRecipe, ModelRecipe, OutputRecipe, ParallelRecipe, Recipe, TrainRecipe,
+    DEFAULT_TOML, DataRecipe, LoraRecipe, ModelRecipe, OutputRecipe, ParallelRecipe, Recipe,
+    TrainRecipe,
 };
 pub use run::{
     RankMemory, RunOptions, Summary, Train, lr_at, train_rank, train_rank_with, validation_batches,

@@ -27,6 +27,52 @@ pub struct Recipe {
     /// Where progress, metrics and snapshots go.
     #[serde(default)]
     pub output: OutputRecipe,
+    /// LoRA fine-tuning (`kiln finetune`): adapters trained on the frozen base of
+    /// `model.from`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraRecipe>,
+}
+
+/// LoRA adapters on the base model (see `kiln_lora`): only they are trained, snapshotted and
+/// written out (PEFT's files in `<output.dir>/adapter`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraRecipe {
+    /// The adapters' rank.
+    pub r: usize,
+    /// Updates are scaled by `alpha / r`.
+    pub alpha: f64,
+    /// Which weights: module names (`q_proj`, PEFT's rule), globs (`*.attn.c_attn`) or
+    /// `all-linear`.
+    pub targets: Vec<String>,
+    /// Scale by `alpha / sqrt(r)` instead (rsLoRA).
+    #[serde(default)]
+    pub rslora: bool,
+    /// Dropout on the adapters' input; kiln's merged-weight adapters refuse anything but 0.
+    #[serde(default)]
+    pub dropout: f64,
+    /// Start from this PEFT adapter directory instead of fresh adapters (its r, alpha and
+    /// targets are used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<PathBuf>,
+    /// After training, write the base with the adapters merged in to this directory (a
+    /// Hugging Face model directory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merge_into: Option<PathBuf>,
+}
+
+impl LoraRecipe {
+    /// The adapters' config (seeded by the run's seed).
+    pub fn config(&self, seed: u64) -> kiln_lora::LoraConfig {
+        kiln_lora::LoraConfig {
+            r: self.r,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            targets: self.targets.clone(),
+            rslora: self.rslora,
+            seed,
+        }
+    }
 }
 
 /// Which model, and its size.
@@ -371,6 +417,22 @@ impl Recipe {
         if !(t.lr > 0.0 && t.lr.is_finite()) {
             fail!(Recipe, "train.lr must be > 0, got {}", t.lr);
         }
+        if let Some(l) = &self.lora {
+            if m.from.is_none() {
+                fail!(
+                    Recipe,
+                    "LoRA fine-tunes a pretrained base: set model.from (kiln finetune --base DIR)"
+                );
+            }
+            if l.adapter.is_none() && (l.r == 0 || l.targets.is_empty()) {
+                fail!(
+                    Recipe,
+                    "lora.r ({}) must be > 0 and lora.targets ({:?}) not empty",
+                    l.r,
+                    l.targets
+                );
+            }
+        }
         if !(0.0..1.0).contains(&self.data.validation_fraction) {
             fail!(
                 Recipe,
@@ -557,6 +619,7 @@ mod tests {
             train: TrainRecipe::default(),
             parallel: ParallelRecipe::default(),
             output: OutputRecipe::default(),
+            lora: None,
         };
         assert_eq!(parsed, defaults);
     }

@@ -17,6 +17,8 @@ pub struct RunInfo {
     pub model_kind: String,
     /// Parameters of the whole model.
     pub params: usize,
+    /// What trains, when only part of the model does (LoRA adapters).
+    pub trains: Option<String>,
     /// The strategy, as the recipe names it.
     pub strategy: String,
     /// The rematerialisation mode (`train.remat`).
@@ -157,11 +159,16 @@ impl Report for Log {
 }
 
 impl RunInfo {
-    /// What is trained, on what, and from where: three lines.
-    pub fn start_lines(&self) -> [String; 3] {
-        [
+    /// What is trained, on what, and from where.
+    pub fn start_lines(&self) -> Vec<String> {
+        let mut lines = vec![
             format!(
-                "kiln train: {} with {} parameters, {}{} on {} rank(s), {} tokens per step",
+                "kiln {}: {} with {} parameters, {}{} on {} rank(s), {} tokens per step",
+                if self.trains.is_some() {
+                    "finetune"
+                } else {
+                    "train"
+                },
                 self.model_kind,
                 human(self.params as f64),
                 self.strategy,
@@ -194,7 +201,11 @@ impl RunInfo {
                 ),
                 None => format!("output: {}", self.out.display()),
             },
-        ]
+        ];
+        if let Some(trains) = &self.trains {
+            lines.insert(1, trains.clone());
+        }
+        lines
     }
 
     /// Whether a run without a bar prints step `step`'s line: the first step run, every
@@ -264,7 +275,11 @@ impl RunInfo {
                 ),
                 None => format!(" (unigram entropy {:.3})", self.unigram_entropy),
             };
-            lines.push(format!("validation loss {v:.4}{reference}"));
+            let before = s
+                .val_loss_before
+                .map(|b| format!("{b:.4} (before) -> "))
+                .unwrap_or_default();
+            lines.push(format!("validation loss {before}{v:.4}{reference}"));
         }
         if let Some(dir) = &s.snapshot {
             lines.push(format!("snapshot: {}", dir.display()));
@@ -273,6 +288,12 @@ impl RunInfo {
             "metrics: {}",
             self.out.join("metrics.jsonl").display()
         ));
+        for (what, path) in &s.outputs {
+            lines.push(format!("{what}: {}", path.display()));
+        }
+        if let Some(sample) = &s.sample_before {
+            lines.push(format!("sample before (prompt|generated):\n{sample}"));
+        }
         if let Some(sample) = &s.sample {
             lines.push(format!("sample (prompt|generated):\n{sample}"));
         }
@@ -380,6 +401,7 @@ mod tests {
         RunInfo {
             model_kind: "gpt2".into(),
             params: 121_000,
+            trains: None,
             strategy: "zero3".into(),
             remat: "off".into(),
             precision: "f32".into(),

@@ -10,19 +10,20 @@
 //! per-metric files), periodic validation, snapshots with resume, and a final summary; rank 0
 //! hands them to a [`Report`] as events.
 
+use crate::Recipe;
 use crate::data::{Corpus, SplitMix64, batch, mix};
 use crate::error::{IoContext, Result, TrainError, fail};
 use crate::metrics::Metrics;
 use crate::model::ModelSpec;
+use crate::plan::{Adapters, Full, Plan};
 use crate::recipe::Remat;
 use crate::report::{Event, Log, Report, Resumed, RunInfo, Silent, StepStats};
 use crate::snapshot::{self, Meta, Part, Snapshot};
-use crate::{Recipe, init};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::{
     BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
 };
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, Optimizer};
@@ -31,12 +32,13 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
-use kiln_hf::{CausalLm, GenerateConfig, Pretrained, Sampling, causal_lm_loss, generate};
+use kiln_hf::{CausalLm, GenerateConfig, Sampling, causal_lm_loss, generate};
 use kiln_shard::LossScale;
 use kiln_shard::account::{MemKind, StepMemory};
 use kiln_shard::optimizer_state_group;
 use kiln_shard::pieces::{self, held_range};
 use kiln_shard::{Shard, ShardConfig, ShardTensor, ShardedOptimizer};
+use std::marker::PhantomData;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,6 +77,12 @@ pub struct Summary {
     pub comm_wait: f64,
     /// The generated sample (prompt included).
     pub sample: Option<String>,
+    /// Fine-tuning: the validation loss before the first step (the base's).
+    pub val_loss_before: Option<f64>,
+    /// Fine-tuning: the base's sample, from the same prompt and seed.
+    pub sample_before: Option<String>,
+    /// What the run wrote besides snapshots (adapters, a merged model), and where.
+    pub outputs: Vec<(String, PathBuf)>,
     /// The newest snapshot written.
     pub snapshot: Option<PathBuf>,
     /// Every rank's memory in its step with the highest heap peak, in rank order (empty when
@@ -219,25 +227,41 @@ fn by_model<B: Backend, C: CheckpointStrategy>(
     device: &B::Device,
     report: &mut dyn Report,
 ) -> Result<Summary> {
-    match spec {
-        ModelSpec::Gpt2(c) => run::<B, C, kiln_gpt2::Gpt2<Train<B, C>>>(
-            recipe,
-            ModelSpec::Gpt2(c.clone()),
-            c,
-            group,
-            options,
-            device,
-            report,
-        ),
-        ModelSpec::Llama(c) => run::<B, C, kiln_llama::Llama<Train<B, C>>>(
-            recipe,
-            ModelSpec::Llama(c.clone()),
-            c,
-            group,
-            options,
-            device,
-            report,
-        ),
+    type Gpt2<B, C> = kiln_gpt2::Gpt2<Train<B, C>>;
+    type Llama<B, C> = kiln_llama::Llama<Train<B, C>>;
+    let lora = recipe.lora.clone();
+    let s = spec.clone();
+    match (spec, lora) {
+        (ModelSpec::Gpt2(config), None) => {
+            let plan = Full::<Gpt2<B, C>, _> {
+                config,
+                _model: PhantomData,
+            };
+            run::<B, C, _>(recipe, s, plan, group, options, device, report)
+        }
+        (ModelSpec::Llama(config), None) => {
+            let plan = Full::<Llama<B, C>, _> {
+                config,
+                _model: PhantomData,
+            };
+            run::<B, C, _>(recipe, s, plan, group, options, device, report)
+        }
+        (ModelSpec::Gpt2(config), Some(lora)) => {
+            let plan = Adapters::<Gpt2<B, C>, _> {
+                config,
+                lora,
+                _model: PhantomData,
+            };
+            run::<B, C, _>(recipe, s, plan, group, options, device, report)
+        }
+        (ModelSpec::Llama(config), Some(lora)) => {
+            let plan = Adapters::<Llama<B, C>, _> {
+                config,
+                lora,
+                _model: PhantomData,
+            };
+            run::<B, C, _>(recipe, s, plan, group, options, device, report)
+        }
     }
 }
 
@@ -274,10 +298,10 @@ fn all_mean(group: &dyn ProcessGroup, value: f64) -> Result<f64> {
     Ok(f64::from(buf[0]))
 }
 
-fn run<B, C, M>(
+fn run<B, C, P>(
     recipe: &Recipe,
     spec: ModelSpec,
-    config: M::Config,
+    plan: P,
     group: Arc<dyn ProcessGroup>,
     options: RunOptions,
     device: &B::Device,
@@ -286,8 +310,8 @@ fn run<B, C, M>(
 where
     B: Backend,
     C: CheckpointStrategy,
-    M: Pretrained<Train<B, C>> + CausalLm<Train<B, C>> + AutodiffModule<Train<B, C>>,
-    M::InnerModule: CausalLm<Shard<B>>,
+    P: Plan<B, C>,
+    <P::Model as AutodiffModule<Train<B, C>>>::InnerModule: CausalLm<Shard<B>>,
 {
     let (rank, world) = (group.rank(), group.world_size());
     let mut silent = Silent;
@@ -352,7 +376,7 @@ where
     group.barrier()?;
 
     let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len)?;
-    let model = M::from_config(&config, device);
+    let model = plan.create(recipe, device, resume_from.is_some())?;
     let bucket_bytes = match recipe.parallel.bucket_kib {
         // A quarter of the f32 parameter bytes.
         0 => model.num_params().clamp(256 << 10, 25 << 20),
@@ -361,12 +385,12 @@ where
     let shard_config = ShardConfig::new(strategy)
         .with_overlap(recipe.parallel.overlap)
         .with_bucket_bytes(bucket_bytes);
-    let model: M = kiln_shard::shard(model, group.clone(), shard_config)?;
+    let model: P::Model = kiln_shard::shard(model, group.clone(), shard_config)?;
     let optim_config = AdamWConfig::new()
         .with_beta_1(t.beta1 as f32)
         .with_beta_2(t.beta2 as f32)
         .with_weight_decay(t.weight_decay as f32);
-    let mut optim = ShardedOptimizer::<_, B>::new(optim_config.init::<Train<B, C>, M>());
+    let mut optim = ShardedOptimizer::<_, B>::new(optim_config.init::<Train<B, C>, P::Model>());
     let precision = recipe.precision()?;
     if let Err(e) = kiln_shard::precision::probe::<B>(precision, device) {
         fail!(Recipe, "train.precision = \"{}\": {e}", precision.name());
@@ -383,9 +407,10 @@ where
                 s.scale = scale;
                 s.good_steps = good;
             }
-            let model = load_params::<B, C, M>(model, snap)?;
+            let model = load_params::<B, C, P::Model>(model, snap)?;
             let meta = &snap.manifest.meta;
-            let record = load_optimizer::<B, C, M>(&model, snap, meta.optimizer_time, device)?;
+            let record =
+                load_optimizer::<B, C, P::Model>(&model, snap, meta.optimizer_time, device)?;
             optim = optim.load_record(record);
             (
                 model,
@@ -394,17 +419,7 @@ where
                 meta.optimizer_time,
             )
         }
-        None => {
-            let model = match &recipe.model.from {
-                Some(dir) => {
-                    let model = model.load_safetensors(dir.join(kiln_hf::WEIGHTS_FILE))?;
-                    kiln_shard::remark(&model);
-                    model
-                }
-                None => init::init::<B, Train<B, C>, M>(model, t.seed),
-            };
-            (model, 0, SplitMix64(mix(t.seed)), 0)
-        }
+        None => (plan.start(model, recipe)?, 0, SplitMix64(mix(t.seed)), 0),
     };
 
     let mut metrics = Metrics::new(rank == 0, first_step, &out.join("metrics.jsonl"))?;
@@ -413,6 +428,7 @@ where
     report.report(Event::Started(&RunInfo {
         model_kind: spec.kind().into(),
         params: model.num_params(),
+        trains: plan.describe(&model),
         strategy: strategy.to_string(),
         remat: t.remat.clone(),
         precision: precision.name().into(),
@@ -453,6 +469,19 @@ where
     let (mut step_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
     // This rank's most demanding step, by heap peak.
     let mut worst: Option<StepMemory> = None;
+    // Fine-tuning: the base's validation loss and sample, to compare with the end's.
+    let (mut val_loss_before, mut sample_before) = (None, None);
+    if first_step == 0 && recipe.lora.is_some() {
+        val_loss_before =
+            evaluate::<B, C, P::Model>(&model, &corpus, recipe, group.as_ref(), device)?;
+        if let Some(v) = val_loss_before {
+            metrics.record(serde_json::json!({"step": 0, "val_loss": v}))?;
+            report.report(Event::Validated { step: 0, loss: v });
+        }
+        if t.sample_chars > 0 {
+            sample_before = Some(sample_text(&model, &corpus, t, precision, device));
+        }
+    }
     for step in first_step + 1..=last_step {
         let step_start = Instant::now();
         let wait_start = kiln_shard::account::comm_wait(group.rank());
@@ -527,7 +556,7 @@ where
         }));
 
         if t.eval_every > 0 && step.is_multiple_of(t.eval_every) || step == last_step {
-            val_loss = evaluate::<B, C, M>(&model, &corpus, recipe, group.as_ref(), device)?;
+            val_loss = evaluate::<B, C, P::Model>(&model, &corpus, recipe, group.as_ref(), device)?;
             evaluated_at = Some(step);
             if let Some(v) = val_loss {
                 metrics.record(serde_json::json!({"step": step, "val_loss": v}))?;
@@ -547,32 +576,22 @@ where
                 loss_scale: loss_scale.map(|s| (s.scale, s.good_steps)),
                 recipe: recipe.to_toml(),
             };
-            let dir = save::<B, C, M>(&model, &optim, &meta, group.as_ref(), recipe)?;
+            let dir = save::<B, C, P::Model>(&model, &optim, &meta, group.as_ref(), recipe)?;
             report.report(Event::Saved { step, dir: &dir });
             last_snapshot = Some(dir);
         }
     }
     if evaluated_at != Some(last_step) {
-        val_loss = evaluate::<B, C, M>(&model, &corpus, recipe, group.as_ref(), device)?;
+        val_loss = evaluate::<B, C, P::Model>(&model, &corpus, recipe, group.as_ref(), device)?;
     }
 
-    let sample = (t.sample_chars > 0 && last_step == t.steps).then(|| {
-        let prompt: Vec<u32> = corpus.validation[..corpus.validation.len().min(24)].to_vec();
-        let config = GenerateConfig {
-            max_new_tokens: t.sample_chars,
-            sampling: Sampling::Temperature {
-                temperature: 0.8,
-                seed: t.seed,
-            },
-            stop_token: None,
-        };
-        // Every rank generates (a ZeRO-3 forward gathers parameters); rank 0 prints.
-        let new = kiln_shard::autocast(precision, || {
-            generate(&model.valid(), &prompt, &config, device)
-        });
-        let tok = kiln_hf::ByteTokenizer;
-        format!("{}|{}", tok.decode(&prompt), tok.decode(&new))
-    });
+    let sample = (t.sample_chars > 0 && last_step == t.steps)
+        .then(|| sample_text(&model, &corpus, t, precision, device));
+    let outputs = if last_step == t.steps {
+        plan.finish(&model, recipe, rank)?
+    } else {
+        Vec::new()
+    };
 
     // The optimizer's state is measured once, at the end (its size is fixed after step 1).
     let mine = worst.map(|step| RankMemory {
@@ -594,6 +613,9 @@ where
         tokens_per_s,
         comm_wait: wait_time.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
         sample,
+        val_loss_before: val_loss_before.take(),
+        sample_before: sample_before.take(),
+        outputs,
         snapshot: last_snapshot,
         losses,
         memory,
@@ -605,6 +627,37 @@ where
         elapsed_s: metrics.elapsed(),
     });
     Ok(summary)
+}
+
+/// A continuation of the validation text's start, sampled at temperature 0.8 (every rank
+/// generates: a ZeRO-3 forward gathers parameters; rank 0 prints).
+fn sample_text<B, C, M>(
+    model: &M,
+    corpus: &Corpus,
+    t: &crate::TrainRecipe,
+    precision: kiln_shard::Precision,
+    device: &B::Device,
+) -> String
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>>,
+    M::InnerModule: CausalLm<Shard<B>>,
+{
+    let prompt: Vec<u32> = corpus.validation[..corpus.validation.len().min(24)].to_vec();
+    let config = GenerateConfig {
+        max_new_tokens: t.sample_chars,
+        sampling: Sampling::Temperature {
+            temperature: 0.8,
+            seed: t.seed,
+        },
+        stop_token: None,
+    };
+    let new = kiln_shard::autocast(precision, || {
+        generate(&model.valid(), &prompt, &config, device)
+    });
+    let tok = kiln_hf::ByteTokenizer;
+    format!("{}|{}", tok.decode(&prompt), tok.decode(&new))
 }
 
 fn tensors<AB: Backend>(
@@ -708,8 +761,12 @@ where
 {
     let (world, rank) = (group.world_size(), group.rank());
     let mut parts = Vec::new();
+    // Frozen parameters (a LoRA base) never change: the snapshot holds what trains.
+    let trainable = trainable_paths::<B, C, M>(model);
     pieces::visit_params::<B, Train<B, C>, M>(model, |path, _, t| {
-        parts.push(part_of(format!("{TENSOR_PREFIX}{path}"), t, world, rank));
+        if trainable.contains(path) {
+            parts.push(part_of(format!("{TENSOR_PREFIX}{path}"), t, world, rank));
+        }
     });
     let mut record = optim.to_record();
     let mut moments = OptimizerState::<B, C> {
@@ -759,6 +816,38 @@ impl<B: Backend, C: CheckpointStrategy> ModuleVisitor<Train<B, C>> for Optimizer
     }
 }
 
+/// The module paths of the parameters that train (`require_grad`).
+fn trainable_paths<B, C, M>(model: &M) -> std::collections::HashSet<String>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>>,
+{
+    struct Find {
+        path: Vec<String>,
+        found: std::collections::HashSet<String>,
+    }
+    impl<AB: burn::tensor::backend::AutodiffBackend> ModuleVisitor<AB> for Find {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if param.val().is_require_grad() {
+                self.found.insert(self.path.join("."));
+            }
+        }
+    }
+    let mut find = Find {
+        path: Vec::new(),
+        found: Default::default(),
+    };
+    model.visit(&mut find);
+    find.found
+}
+
 pub(crate) fn load_params<B, C, M>(model: M, snap: &Snapshot) -> Result<M>
 where
     B: Backend,
@@ -766,7 +855,12 @@ where
     M: AutodiffModule<Train<B, C>>,
 {
     let mut error = None;
+    let trainable = trainable_paths::<B, C, M>(&model);
     let model = pieces::map_params::<B, Train<B, C>, M>(model, |path, t| {
+        if !trainable.contains(path) {
+            // Frozen: loaded from the base, as at the start.
+            return pieces::piece(t).values.to_vec();
+        }
         let range = held_range(t);
         let shape = t.shape().as_slice().to_vec();
         match snap.read(&format!("{TENSOR_PREFIX}{path}"), &shape, range.clone()) {

@@ -1,0 +1,172 @@
+//! What a run trains: the whole model ([`Full`]), or LoRA adapters on its frozen base
+//! ([`Adapters`]). Everything else about a run (data, the step, validation, snapshots, resume,
+//! ranks) is the same loop for both.
+
+use crate::error::{IoContext, Result, fail};
+use crate::run::Train;
+use crate::{LoraRecipe, Recipe, init};
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::module::AutodiffModule;
+use burn::tensor::backend::Backend;
+use kiln_hf::{CausalLm, Pretrained};
+use kiln_lora::Lora;
+use std::marker::PhantomData;
+use std::path::PathBuf;
+
+/// How the module a run trains is made and what it leaves behind.
+pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
+    /// The trained module.
+    type Model: AutodiffModule<Train<B, C>> + CausalLm<Train<B, C>>;
+
+    /// The module before sharding. Its trainable parameters need no values yet when
+    /// `resuming` (the snapshot gives them).
+    fn create(&self, recipe: &Recipe, device: &B::Device, resuming: bool) -> Result<Self::Model>;
+
+    /// Its values at step 0, after sharding.
+    fn start(&self, model: Self::Model, recipe: &Recipe) -> Result<Self::Model>;
+
+    /// A line for the run's start, when only part of the model trains.
+    fn describe(&self, model: &Self::Model) -> Option<String>;
+
+    /// Writes what the run leaves besides snapshots (every rank calls it: reading a sharded
+    /// parameter is collective; rank 0 writes). Returns what was written, and where.
+    fn finish(
+        &self,
+        model: &Self::Model,
+        recipe: &Recipe,
+        rank: usize,
+    ) -> Result<Vec<(String, PathBuf)>>;
+}
+
+/// Every parameter of the model `M` (of config `K`) trains.
+pub(crate) struct Full<M, K> {
+    pub config: K,
+    pub _model: PhantomData<fn() -> M>,
+}
+
+impl<B, C, M, K> Plan<B, C> for Full<M, K>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: Pretrained<Train<B, C>, Config = K> + CausalLm<Train<B, C>> + AutodiffModule<Train<B, C>>,
+{
+    type Model = M;
+
+    fn create(&self, _: &Recipe, device: &B::Device, _: bool) -> Result<M> {
+        Ok(M::from_config(&self.config, device))
+    }
+
+    fn start(&self, model: M, recipe: &Recipe) -> Result<M> {
+        // Loaded (or initialised) after sharding: under ZeRO-3 each tensor is sharded as it
+        // arrives, so the whole model never exists on a rank.
+        Ok(match &recipe.model.from {
+            Some(dir) => {
+                let model = model.load_safetensors(dir.join(kiln_hf::WEIGHTS_FILE))?;
+                kiln_shard::remark(&model);
+                model
+            }
+            None => init::init::<B, Train<B, C>, M>(model, recipe.train.seed),
+        })
+    }
+
+    fn describe(&self, _: &M) -> Option<String> {
+        None
+    }
+
+    fn finish(&self, _: &M, _: &Recipe, _: usize) -> Result<Vec<(String, PathBuf)>> {
+        Ok(Vec::new())
+    }
+}
+
+/// LoRA adapters on the frozen base `M` (of config `K`) from `model.from`.
+pub(crate) struct Adapters<M, K> {
+    pub config: K,
+    pub lora: LoraRecipe,
+    pub _model: PhantomData<fn() -> M>,
+}
+
+impl<B, C, M, K> Plan<B, C> for Adapters<M, K>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: Pretrained<Train<B, C>, Config = K> + CausalLm<Train<B, C>> + AutodiffModule<Train<B, C>>,
+    Lora<Train<B, C>, M>: AutodiffModule<Train<B, C>>,
+{
+    type Model = Lora<Train<B, C>, M>;
+
+    fn create(&self, recipe: &Recipe, device: &B::Device, _: bool) -> Result<Self::Model> {
+        let Some(from) = &recipe.model.from else {
+            fail!(Recipe, "LoRA fine-tunes a pretrained base: set model.from");
+        };
+        // The base is loaded whole, then frozen and sharded with the adapters (the frozen
+        // weights are never trained, so a snapshot does not hold them: resuming loads them
+        // from here again).
+        let base = M::from_config(&self.config, device)
+            .load_safetensors(from.join(kiln_hf::WEIGHTS_FILE))?;
+        Ok(match &self.lora.adapter {
+            Some(dir) => kiln_lora::load_peft(base, dir, M::hf_tensor, device)?,
+            None => kiln_lora::lora(
+                base,
+                &self.lora.config(recipe.train.seed),
+                M::hf_tensor,
+                device,
+            )?,
+        })
+    }
+
+    fn start(&self, model: Self::Model, _: &Recipe) -> Result<Self::Model> {
+        Ok(model)
+    }
+
+    fn describe(&self, model: &Self::Model) -> Option<String> {
+        let (trainable, base) = (model.trainable_params(), model.base_params());
+        Some(format!(
+            "LoRA r={} alpha={} on {} weights: {} trainable parameters ({:.2}% of the base's {}), the base frozen",
+            model.config.r,
+            model.config.alpha,
+            model.targets.len(),
+            crate::report::human(trainable as f64),
+            100.0 * trainable as f64 / base as f64,
+            crate::report::human(base as f64),
+        ))
+    }
+
+    fn finish(
+        &self,
+        model: &Self::Model,
+        recipe: &Recipe,
+        rank: usize,
+    ) -> Result<Vec<(String, PathBuf)>> {
+        let base_dir = recipe.model.from.clone().unwrap_or_default();
+        let mut written = Vec::new();
+        // PEFT's files: what `PeftModel.from_pretrained(base, dir)` loads.
+        let adapter_dir = recipe.output.dir.join("adapter");
+        let tensors = model.adapter_tensors();
+        if rank == 0 {
+            model.write_peft(&adapter_dir, &base_dir.display().to_string(), &tensors)?;
+        }
+        written.push(("adapters (PEFT)".to_string(), adapter_dir));
+        if let Some(out) = &self.lora.merge_into {
+            let merged = kiln_hf::hf_tensors(&model.merge());
+            if rank == 0 {
+                std::fs::create_dir_all(out).io(|| format!("cannot create {}", out.display()))?;
+                // The base's other files (config, tokenizer, generation settings) go along.
+                let entries = std::fs::read_dir(&base_dir)
+                    .io(|| format!("cannot read {}", base_dir.display()))?;
+                for entry in entries.flatten() {
+                    let path = entry.path();
+                    let name = entry.file_name();
+                    let weights = name.to_string_lossy().contains(".safetensors");
+                    if path.is_file() && !weights {
+                        std::fs::copy(&path, out.join(&name)).io(|| {
+                            format!("cannot copy {} to {}", path.display(), out.display())
+                        })?;
+                    }
+                }
+                kiln_hf::write_tensors(out.join(kiln_hf::WEIGHTS_FILE), &merged)?;
+            }
+            written.push(("merged model".to_string(), out.clone()));
+        }
+        Ok(written)
+    }
+}

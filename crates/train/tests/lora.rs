@@ -1,0 +1,201 @@
+//! LoRA fine-tuning through the run (`kiln finetune`'s job): resume equals uninterrupted with
+//! snapshots holding adapters only, ZeRO-3 over 2 ranks equals 1 rank, the files written
+//! (PEFT adapters, merged model) equal the trained adapters, and bad input named.
+
+mod common;
+
+use burn::backend::Flex;
+use kiln::Train;
+use kiln_gpt2::Gpt2;
+use kiln_hf::{CausalLm, HfNaming, Pretrained};
+use kiln_train::snapshot::Snapshot;
+use kiln_train::{Recipe, RunOptions, train_threads};
+use std::path::{Path, PathBuf};
+
+fn base(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/hf/tests/fixtures")
+        .join(name)
+}
+
+/// The tiny recipe fine-tuning `base` with rank-2 adapters on `targets`.
+fn finetune(out: &Path, base_name: &str, strategy: &str, targets: &str, extra: &[&str]) -> Recipe {
+    let from = format!("model.from={:?}", base(base_name).display().to_string());
+    let targets = format!("lora.targets={targets}");
+    let mut o = vec![
+        from.as_str(),
+        "lora.r=2",
+        "lora.alpha=4.0",
+        targets.as_str(),
+        "train.lr=1e-2",
+    ];
+    o.extend(extra);
+    common::recipe(out, strategy, &o)
+}
+
+fn error_of(r: &Recipe) -> String {
+    let options = RunOptions {
+        overwrite: true,
+        ..Default::default()
+    };
+    anyhow_chain(train_threads::<Flex>(r, 1, options).unwrap_err())
+}
+
+fn anyhow_chain(e: kiln_train::TrainError) -> String {
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(c) = source {
+        s += &format!(": {c}");
+        source = c.source();
+    }
+    s
+}
+
+#[test]
+fn finetune_resumes_exactly_and_snapshots_hold_adapters_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let whole = common::run(
+        &finetune(&a, "tiny-gpt2", "ddp", r#"["c_attn"]"#, &[]),
+        1,
+        false,
+        None,
+    );
+    let r = finetune(&b, "tiny-gpt2", "ddp", r#"["c_attn"]"#, &[]);
+    let first = common::run(&r, 1, false, Some(3));
+    let snap = Snapshot::open(first.snapshot.as_ref().unwrap()).unwrap();
+    let names: Vec<&String> = snap.manifest.tensors.keys().collect();
+    // 2 layers x (A, B) x (value, two moments).
+    assert_eq!(names.len(), 12, "{names:?}");
+    assert!(names.iter().all(|n| n.contains("adapters.")), "{names:?}");
+    let rest = common::run(&r, 1, true, None);
+    let resumed: Vec<f64> = first.losses.iter().chain(&rest.losses).copied().collect();
+    assert_eq!(resumed, whole.losses);
+    assert_eq!(rest.val_loss, whole.val_loss);
+    // The base's validation loss came first, and training moved it.
+    let before = whole.val_loss_before.unwrap();
+    assert!(whole.val_loss.unwrap() < before, "{whole:?}");
+}
+
+#[test]
+fn finetune_under_zero3_x2_equals_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let targets = r#"["q_proj", "v_proj"]"#;
+    let one = common::run(
+        &finetune(&tmp.path().join("1"), "tiny-llama", "ddp", targets, &[]),
+        1,
+        false,
+        None,
+    );
+    let two = common::run(
+        &finetune(&tmp.path().join("2"), "tiny-llama", "zero3", targets, &[]),
+        2,
+        false,
+        None,
+    );
+    for (x, y) in one.losses.iter().zip(&two.losses) {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "{:?} vs {:?}",
+            one.losses,
+            two.losses
+        );
+    }
+    let (v1, v2) = (one.val_loss.unwrap(), two.val_loss.unwrap());
+    assert!((v1 - v2).abs() <= 1e-5 * v1, "{v1} vs {v2}");
+}
+
+/// The adapter directory loads onto the base (as PEFT would) and gives the merged model's
+/// logits; the merged directory is a complete Hugging Face model.
+#[test]
+fn written_adapters_and_merged_model_agree() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, merged_dir) = (tmp.path().join("run"), tmp.path().join("merged"));
+    let merge = format!("lora.merge_into={:?}", merged_dir.display().to_string());
+    let summary = common::run(
+        &finetune(&out, "tiny-gpt2", "ddp", r#"["all-linear"]"#, &[&merge]),
+        1,
+        false,
+        None,
+    );
+    let adapter_dir = out.join("adapter");
+    let outputs: Vec<&PathBuf> = summary.outputs.iter().map(|(_, p)| p).collect();
+    assert_eq!(outputs, [&adapter_dir, &merged_dir]);
+    type B = Train<Flex>;
+    let device = Default::default();
+    let base_model = Gpt2::<B>::from_pretrained(base("tiny-gpt2"), &device).unwrap();
+    let adapters =
+        kiln_lora::load_peft(base_model, &adapter_dir, Gpt2::<B>::hf_tensor, &device).unwrap();
+    // all-linear: c_attn, attn.c_proj, c_fc, mlp.c_proj of both layers (no lm_head: tied).
+    assert_eq!(adapters.targets.len(), 8);
+    let trained: f32 = adapters.adapters[0].b.val().abs().sum().into_scalar();
+    assert!(trained > 0.0, "B is still zero: nothing trained");
+    let merged = Gpt2::<B>::from_pretrained(&merged_dir, &device).unwrap();
+    let ids = burn::tensor::Tensor::<B, 2, burn::tensor::Int>::from_data(
+        [[1, 50, 99, 200, 7, 7, 13, 64]],
+        &device,
+    );
+    let diff: f32 = (merged.forward(ids.clone()) - adapters.forward(ids))
+        .abs()
+        .max()
+        .into_scalar();
+    assert!(diff < 1e-5, "merged vs adapters: {diff}");
+}
+
+#[test]
+fn bad_lora_settings_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let msg = error_of(&finetune(&out, "tiny-gpt2", "ddp", r#"["q_proj"]"#, &[]));
+    assert!(msg.contains("'q_proj' matches no weight"), "{msg}");
+    assert!(msg.contains("transformer.h.0.attn.c_attn"), "{msg}");
+    let msg = error_of(&finetune(
+        &out,
+        "tiny-gpt2",
+        "ddp",
+        r#"["c_attn"]"#,
+        &["lora.r=65"],
+    ));
+    assert!(msg.contains("r = 65 does not fit"), "{msg}");
+    let msg = error_of(&finetune(
+        &out,
+        "tiny-gpt2",
+        "ddp",
+        r#"["c_attn"]"#,
+        &["lora.dropout=0.1"],
+    ));
+    assert!(msg.contains("dropout 0.1"), "{msg}");
+    // An adapter trained on GPT-2, given to Llama.
+    common::run(
+        &finetune(&out, "tiny-gpt2", "ddp", r#"["c_attn"]"#, &[]),
+        1,
+        false,
+        None,
+    );
+    let adapter = format!(
+        "lora.adapter={:?}",
+        out.join("adapter").display().to_string()
+    );
+    let other = tmp.path().join("other");
+    let msg = error_of(&finetune(
+        &other,
+        "tiny-llama",
+        "ddp",
+        r#"["q_proj"]"#,
+        &[&adapter],
+    ));
+    assert!(msg.contains("which this model lacks"), "{msg}");
+    assert!(msg.contains("transformer.h.0.attn.c_attn"), "{msg}");
+    // No base.
+    let err = Recipe::load(
+        None,
+        &[
+            "lora.r=2".into(),
+            "lora.alpha=4.0".into(),
+            "lora.targets=[\"c_attn\"]".into(),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("set model.from"), "{err}");
+}
