@@ -15,6 +15,7 @@ mod progress;
 mod shard_check;
 mod train;
 mod verify_hf;
+mod verify_lora;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -50,6 +51,8 @@ enum Command {
     CommCheck(CommCheckArgs),
     /// Compare a Hugging Face model directory with its PyTorch reference numbers.
     VerifyHf(verify_hf::VerifyHfArgs),
+    /// Compare LoRA fine-tuning with PEFT's reference numbers (a lora-tiny-* fixture directory).
+    VerifyLora(verify_lora::VerifyLoraArgs),
     /// Train a small model under a sharding strategy on this job and compare it with a single device.
     ShardCheck(shard_check::ShardCheckArgs),
 }
@@ -192,6 +195,13 @@ fn main() {
             Err(e) => {
                 eprintln!("kiln shard-check: error: {e:#}");
                 1
+            }
+        },
+        Command::VerifyLora(args) => match verify_lora::verify_lora(args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("kiln verify-lora: error: {e:#}");
+                2
             }
         },
         Command::VerifyHf(args) => match verify_hf::verify_hf(args) {

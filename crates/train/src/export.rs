@@ -1,14 +1,17 @@
 //! `kiln export`: a snapshot, written by any number of ranks under any strategy, as one
-//! Hugging Face directory (`config.json` and a single consolidated `model.safetensors`).
+//! Hugging Face directory (`config.json` and a single consolidated `model.safetensors`). A
+//! fine-tuning snapshot (adapters only) is written merged into its base.
 
 use crate::error::Result;
 use crate::model::ModelSpec;
+use crate::plan::{Adapters, Plan};
 use crate::run::{Train, load_params};
 use crate::snapshot::Snapshot;
 use burn::backend::Flex;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::module::AutodiffModule;
 use burn::tensor::FloatDType;
-use kiln_hf::Pretrained;
+use kiln_hf::{CausalLm, Pretrained};
 use std::path::{Path, PathBuf};
 
 /// Writes the model of `snapshot` (a snapshot directory, or a run directory: its newest
@@ -30,18 +33,45 @@ pub fn export(snapshot: &Path, out: &Path) -> Result<PathBuf> {
 pub fn export_as(snapshot: &Path, out: &Path, dtype: FloatDType) -> Result<PathBuf> {
     let snap = Snapshot::open(snapshot)?;
     let meta = &snap.manifest.meta;
+    // A fine-tuning run's recipe names its base and adapters.
+    let lora = toml::from_str::<crate::Recipe>(&meta.recipe)
+        .ok()
+        .filter(|r| r.lora.is_some());
     match ModelSpec::from_json(&meta.model_kind, &meta.model_config)? {
-        ModelSpec::Gpt2(c) => write::<kiln_gpt2::Gpt2<Train<Flex>>>(&snap, &c, out, dtype),
-        ModelSpec::Llama(c) => write::<kiln_llama::Llama<Train<Flex>>>(&snap, &c, out, dtype),
+        ModelSpec::Gpt2(c) => {
+            write::<kiln_gpt2::Gpt2<Train<Flex>>>(&snap, &c, lora.as_ref(), out, dtype)
+        }
+        ModelSpec::Llama(c) => {
+            write::<kiln_llama::Llama<Train<Flex>>>(&snap, &c, lora.as_ref(), out, dtype)
+        }
     }
 }
 
-fn write<M>(snap: &Snapshot, config: &M::Config, out: &Path, dtype: FloatDType) -> Result<PathBuf>
+fn write<M>(
+    snap: &Snapshot,
+    config: &M::Config,
+    lora: Option<&crate::Recipe>,
+    out: &Path,
+    dtype: FloatDType,
+) -> Result<PathBuf>
 where
-    M: Pretrained<Train<Flex>> + AutodiffModule<Train<Flex>>,
+    M: Pretrained<Train<Flex>> + CausalLm<Train<Flex>> + AutodiffModule<Train<Flex>>,
+    M::Config: Clone,
+    kiln_lora::Lora<Train<Flex>, M>: AutodiffModule<Train<Flex>>,
 {
-    let model = M::from_config(config, &Default::default());
-    let model = load_params::<Flex, _, M>(model, snap)?;
+    let device = Default::default();
+    let model = match lora {
+        Some(recipe) => {
+            let plan = Adapters::<M, M::Config> {
+                config: config.clone(),
+                lora: recipe.lora.clone().expect("filtered on lora"),
+                _model: std::marker::PhantomData,
+            };
+            let adapters = Plan::<Flex, NoCheckpointing>::create(&plan, recipe, &device, true)?;
+            load_params::<Flex, _, _>(adapters, snap)?.merge()
+        }
+        None => load_params::<Flex, _, M>(M::from_config(config, &device), snap)?,
+    };
     model.save_pretrained_as(config, out, dtype)?;
     Ok(out.join(kiln_hf::WEIGHTS_FILE))
 }

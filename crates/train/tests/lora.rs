@@ -140,6 +140,19 @@ fn written_adapters_and_merged_model_agree() {
         .max()
         .into_scalar();
     assert!(diff < 1e-5, "merged vs adapters: {diff}");
+    // `kiln export` of the fine-tuning snapshot writes the same merged model.
+    let exported = tmp.path().join("exported");
+    kiln_train::export(summary.snapshot.as_ref().unwrap(), &exported).unwrap();
+    let read = |dir: &Path| {
+        let file = kiln_hf::SafetensorsFile::open(dir.join(kiln_hf::WEIGHTS_FILE), "w").unwrap();
+        let mut names = file.names();
+        names.sort();
+        names
+            .into_iter()
+            .map(|n| (n.clone(), file.float(&n, None).unwrap()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(read(&exported), read(&merged_dir));
 }
 
 #[test]

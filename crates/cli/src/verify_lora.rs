@@ -1,0 +1,111 @@
+//! `kiln verify-lora DIR`: LoRA fine-tuning against PEFT's numbers in a directory of the
+//! `lora-tiny-*` fixtures' layout (`base/`, `adapter_init/`, `adapter_final/`, `merged/`,
+//! `reference.safetensors`; see `kiln_lora::verify`).
+
+use anyhow::{Result, bail};
+use burn::module::AutodiffModule;
+use kiln::{Flex, Train};
+use kiln_comm::{LocalGroup, ProcessGroup};
+use kiln_hf::{CausalLm, Pretrained};
+use kiln_lora::{Check, Lora};
+use kiln_shard::{ShardConfig, Strategy};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+type B = Train<Flex>;
+
+#[derive(Debug, clap::Args)]
+pub struct VerifyLoraArgs {
+    /// A LoRA fixture directory (base/, adapter_init/, adapter_final/, merged/,
+    /// reference.safetensors).
+    pub dir: PathBuf,
+    /// `single`, or a sharding strategy: ddp, zero1, zero2, zero3 (fsdp), hybrid:S.
+    #[arg(long, default_value = "single")]
+    pub strategy: String,
+    /// Ranks (threads of this process) for a sharding strategy.
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
+}
+
+fn checks<M>(dir: &Path, strategy: Option<Strategy>, ranks: usize) -> Result<Vec<Check>>
+where
+    M: Pretrained<B> + CausalLm<B> + AutodiffModule<B>,
+    Lora<B, M>: AutodiffModule<B>,
+{
+    let load = || -> Result<Lora<B, M>> {
+        let device = Default::default();
+        let base = M::from_pretrained(dir.join("base"), &device)?;
+        Ok(kiln_lora::load_peft(
+            base,
+            &dir.join("adapter_init"),
+            M::hf_tensor,
+            &device,
+        )?)
+    };
+    let Some(strategy) = strategy else {
+        return Ok(kiln_lora::verify_lora::<Flex, B, M>(
+            load()?,
+            dir,
+            &Default::default(),
+        )?);
+    };
+    let per_rank = kiln_comm::spawn_ranks(ranks, |g: LocalGroup| -> Result<Vec<Check>> {
+        let group: Arc<dyn ProcessGroup> = Arc::new(g);
+        let model = kiln_shard::shard(load()?, group, ShardConfig::new(strategy))?;
+        Ok(kiln_lora::verify_lora::<Flex, B, M>(
+            model,
+            dir,
+            &Default::default(),
+        )?)
+    });
+    // Every rank computed every quantity: keep each quantity's worst rank.
+    let mut worst: Vec<Check> = Vec::new();
+    for checks in per_rank {
+        for c in checks? {
+            match worst.iter_mut().find(|w| w.quantity == c.quantity) {
+                Some(w) if c.error > w.error => *w = c,
+                Some(_) => {}
+                None => worst.push(c),
+            }
+        }
+    }
+    Ok(worst)
+}
+
+/// Prints one line per quantity; returns 0 when all are within tolerance, 1 otherwise.
+pub fn verify_lora(args: &VerifyLoraArgs) -> Result<i32> {
+    let strategy = match args.strategy.as_str() {
+        "single" if args.ranks != 1 => bail!(
+            "--strategy single runs on one rank, not {}; name a sharding strategy",
+            args.ranks
+        ),
+        "single" => None,
+        s => Some(s.parse::<Strategy>()?),
+    };
+    if args.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    let kind = kiln_hf::model_type(args.dir.join("base"))?;
+    let checks = match kind.as_str() {
+        "gpt2" => checks::<kiln_gpt2::Gpt2<B>>(&args.dir, strategy, args.ranks)?,
+        "llama" => checks::<kiln_llama::Llama<B>>(&args.dir, strategy, args.ranks)?,
+        other => bail!("base/config.json has model_type '{other}'; kiln has gpt2 and llama"),
+    };
+    println!(
+        "{}: LoRA vs PEFT, {} on {} rank(s)",
+        args.dir.display(),
+        args.strategy,
+        args.ranks
+    );
+    for c in &checks {
+        println!("  {c}");
+    }
+    let failed = checks.iter().filter(|c| !c.passed()).count();
+    if failed == 0 {
+        println!("all {} quantities within tolerance", checks.len());
+        Ok(0)
+    } else {
+        println!("{failed} of {} quantities out of tolerance", checks.len());
+        Ok(1)
+    }
+}

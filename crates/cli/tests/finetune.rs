@@ -1,0 +1,161 @@
+//! `kiln finetune` and `kiln verify-lora` as a user runs them: a short fine-tune under
+//! `kiln launch` (two processes, ZeRO-3) writing PEFT adapters and a merged model, resumed;
+//! PEFT's numbers on the fixtures; bad input named.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/hf/tests/fixtures")
+        .join(name)
+}
+
+fn kiln(args: &[String]) -> (bool, String) {
+    let out = Command::new(KILN).args(args).output().expect("kiln runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+fn finetune_args(out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "finetune",
+        "--base",
+        &fixture("tiny-llama").display().to_string(),
+        "--out",
+        &out.display().to_string(),
+        "--steps",
+        "4",
+        "--set",
+        "train.seq_len=16",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.warmup_steps=1",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "train.sample_chars=8",
+        "--set",
+        "data.synthetic_chars=20000",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+#[test]
+fn finetune_under_launch_writes_peft_adapters_and_a_merged_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, merged) = (tmp.path().join("run"), tmp.path().join("merged"));
+    let mut args: Vec<String> = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        KILN,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(finetune_args(
+        &out,
+        &[
+            "--lora-r",
+            "2",
+            "--strategy",
+            "zero3",
+            "--merge-into",
+            &merged.display().to_string(),
+        ],
+    ));
+    let (ok, text) = kiln(&args);
+    assert!(ok, "{text}");
+    for line in [
+        "kiln finetune: llama",
+        "LoRA r=2 alpha=4 on 8 weights",
+        "step 0: validation loss",
+        "validation loss ",
+        "(before) -> ",
+        "adapters (PEFT): ",
+        "merged model: ",
+        "sample before (prompt|generated):",
+    ] {
+        assert!(text.contains(line), "no '{line}' in:\n{text}");
+    }
+    assert!(out.join("adapter/adapter_config.json").is_file());
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
+    assert!(merged.join("config.json").is_file());
+    assert!(merged.join("model.safetensors").is_file());
+    // Resuming a finished run has nothing left to do, and says so.
+    let (ok, text) = kiln(&finetune_args(&out, &["--lora-r", "2", "--resume"]));
+    assert!(ok, "{text}");
+    assert!(text.contains("no steps to run"), "{text}");
+}
+
+#[test]
+fn bad_finetune_input_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let (ok, text) = kiln(&["finetune".into(), "--steps".into(), "2".into()]);
+    assert!(
+        !ok && text.contains("needs a pretrained base: --base DIR"),
+        "{text}"
+    );
+    let (ok, text) = kiln(&finetune_args(&out, &["--targets", "c_attn"]));
+    assert!(!ok && text.contains("'c_attn' matches no weight"), "{text}");
+    assert!(text.contains("model.layers.0.self_attn.q_proj"), "{text}");
+    let (ok, text) = kiln(&finetune_args(&out, &["--lora-r", "1000"]));
+    assert!(!ok && text.contains("r = 1000 does not fit"), "{text}");
+    let missing = tmp.path().join("nowhere");
+    let (ok, text) = kiln(&finetune_args(
+        &out,
+        &["--adapter", &missing.display().to_string()],
+    ));
+    assert!(!ok && text.contains("nowhere"), "{text}");
+    // A recipe with [lora] is fine-tuning's.
+    let from = format!(
+        "model.from={:?}",
+        fixture("tiny-llama").display().to_string()
+    );
+    let mut args = vec!["train".to_string()];
+    for set in [
+        from.as_str(),
+        "lora.r=2",
+        "lora.alpha=4.0",
+        r#"lora.targets=["q_proj"]"#,
+    ] {
+        args.extend(["--set".to_string(), set.to_string()]);
+    }
+    let (ok, text) = kiln(&args);
+    assert!(
+        !ok && text.contains("fine-tune with `kiln finetune`"),
+        "{text}"
+    );
+}
+
+#[test]
+fn verify_lora_matches_peft_on_the_fixtures() {
+    for (name, strategy, ranks) in [
+        ("lora-tiny-gpt2", "single", "1"),
+        ("lora-tiny-llama", "zero2", "2"),
+    ] {
+        let (ok, text) = kiln(&[
+            "verify-lora".into(),
+            fixture(name).display().to_string(),
+            "--strategy".into(),
+            strategy.into(),
+            "--ranks".into(),
+            ranks.into(),
+        ]);
+        assert!(ok, "{text}");
+        assert!(text.contains("all 8 quantities within tolerance"), "{text}");
+    }
+}
