@@ -25,6 +25,14 @@ pub enum HfError {
         #[source]
         source: std::io::Error,
     },
+    /// A `tokenizer.json` the `tokenizers` crate cannot read.
+    #[error("cannot read the tokenizer {}: {reason}", path.display())]
+    Tokenizer {
+        /// The file.
+        path: PathBuf,
+        /// The parser's reason.
+        reason: String,
+    },
     /// `config.json` is not valid JSON or lacks a required field (the parser's error is the
     /// source).
     #[error("invalid config {}", path.display())]

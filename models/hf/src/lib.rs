@@ -44,7 +44,7 @@ pub use lm::{
 pub use pretrained::Pretrained;
 pub use reference::{AdamWSettings, Reference};
 pub use safetensors_file::SafetensorsFile;
-pub use tokenizer::ByteTokenizer;
+pub use tokenizer::{ByteTokenizer, TOKENIZER_FILE, Tokenizer};
 pub use weights::{
     HfGrads, HfNaming, HfTensorName, hf_grad_norms, hf_grads, hf_tensors, load_weights,
     save_weights, save_weights_as, torch_dtype_name, write_tensors, write_tensors_as,
