@@ -87,6 +87,8 @@ fn finetune_under_launch_writes_peft_adapters_and_a_merged_model() {
         "adapters (PEFT): ",
         "merged model: ",
         "sample before (prompt|generated):",
+        "tokens are bytes: ",
+        "has no tokenizer.json",
     ] {
         assert!(text.contains(line), "no '{line}' in:\n{text}");
     }

@@ -1,7 +1,8 @@
 //! The text a run learns, and the order it sees it in.
 //!
-//! Tokens are bytes (vocabulary 256, [`kiln_hf::ByteTokenizer`]), so any UTF-8 file works and no
-//! tokenizer file is needed. The synthetic corpus is a first-order Markov chain over 28
+//! Text becomes tokens through the run's [`Tokenizer`]: a model directory's `tokenizer.json`, or
+//! bytes (vocabulary 256), with which any UTF-8 file works and no tokenizer file is needed. The
+//! synthetic corpus is a first-order Markov chain over 28
 //! characters whose transition table comes from the seed: its entropy rate is the best loss any
 //! model can reach (every position sees the previous character), and the entropy of its
 //! character frequencies is what a model that ignores context reaches. Both are computed
@@ -12,6 +13,7 @@
 //! contiguous share of its rows.
 
 use crate::error::{IoContext, Result, TrainError, fail};
+use kiln_hf::Tokenizer;
 use std::path::Path;
 
 /// SplitMix64 (Steele, Lea, Flood 2014): tiny, seedable, its whole state one `u64`.
@@ -65,14 +67,39 @@ pub struct Corpus {
 }
 
 impl Corpus {
-    /// The corpus a recipe names: `synthetic`, or a text file.
+    /// The corpus a recipe names (`synthetic`, or a text file), in `tokenizer`'s tokens.
     ///
     /// # Errors
     /// A missing or unreadable file, a file too short for one validation and one training
     /// sequence.
-    pub fn from_recipe(data: &crate::DataRecipe, seed: u64, seq_len: usize) -> Result<Corpus> {
+    pub fn from_recipe(
+        data: &crate::DataRecipe,
+        seed: u64,
+        seq_len: usize,
+        tokenizer: &Tokenizer,
+    ) -> Result<Corpus> {
         let corpus = if data.source == "synthetic" {
-            synthetic(data.synthetic_chars, seed, data.validation_fraction)
+            let bytes = synthetic(data.synthetic_chars, seed, data.validation_fraction);
+            match tokenizer {
+                Tokenizer::Bytes => bytes,
+                // The chain's entropies are per character: with another tokenizer only the
+                // tokens' own frequencies are known.
+                tok => {
+                    let text = |ids: &[u32]| kiln_hf::ByteTokenizer.decode(ids);
+                    let train = tok.encode(&text(&bytes.train));
+                    Corpus {
+                        unigram_entropy: unigram_entropy(&train),
+                        validation: tok.encode(&text(&bytes.validation)),
+                        train,
+                        description: format!(
+                            "{}, tokenized by {}",
+                            bytes.description,
+                            tok.describe()
+                        ),
+                        floor: None,
+                    }
+                }
+            }
         } else {
             let path = Path::new(&data.source);
             let bytes = std::fs::read(path).io(|| {
@@ -84,14 +111,24 @@ impl Corpus {
             let text = String::from_utf8(bytes).map_err(|e| {
                 TrainError::Data(format!("{} is not UTF-8 text: {e}", path.display()))
             })?;
-            let tokens = kiln_hf::ByteTokenizer.encode(&text);
+            let tokens = tokenizer.encode(&text);
             let cut = split_point(tokens.len(), data.validation_fraction);
             let train = tokens[..cut].to_vec();
+            let description = match tokenizer {
+                Tokenizer::Bytes => format!("{} ({} bytes)", path.display(), tokens.len()),
+                tok => format!(
+                    "{} ({} bytes, {} tokens of {})",
+                    path.display(),
+                    text.len(),
+                    tokens.len(),
+                    tok.describe()
+                ),
+            };
             Corpus {
                 unigram_entropy: unigram_entropy(&train),
                 validation: tokens[cut..].to_vec(),
                 train,
-                description: format!("{} ({} bytes)", path.display(), tokens.len()),
+                description,
                 floor: None,
             }
         };
@@ -175,16 +212,15 @@ pub fn synthetic(chars: usize, seed: u64, validation_fraction: f64) -> Corpus {
     }
 }
 
-/// Entropy (nats) of the byte frequencies of `tokens`.
+/// Entropy (nats) of the token frequencies of `tokens`.
 pub fn unigram_entropy(tokens: &[u32]) -> f64 {
-    let mut counts = [0usize; 256];
+    let mut counts = std::collections::HashMap::<u32, usize>::new();
     for &t in tokens {
-        counts[t as usize & 255] += 1;
+        *counts.entry(t).or_default() += 1;
     }
     let total = tokens.len() as f64;
     counts
-        .iter()
-        .filter(|&&c| c > 0)
+        .values()
         .map(|&c| {
             let p = c as f64 / total;
             -p * p.ln()

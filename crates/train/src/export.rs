@@ -2,7 +2,7 @@
 //! Hugging Face directory (`config.json` and a single consolidated `model.safetensors`). A
 //! fine-tuning snapshot (adapters only) is written merged into its base.
 
-use crate::error::Result;
+use crate::error::{IoContext, Result};
 use crate::model::ModelSpec;
 use crate::plan::{Adapters, Plan};
 use crate::run::{Train, load_params};
@@ -73,5 +73,17 @@ where
         None => load_params::<Flex, _, M>(M::from_config(config, &device), snap)?,
     };
     model.save_pretrained_as(config, out, dtype)?;
+    // The tokens the model learnt: the run's tokenizer.json goes along (none for bytes, or when
+    // the recipe cannot be read back).
+    let recipe = toml::from_str::<crate::Recipe>(&snap.manifest.meta.recipe).ok();
+    if let Some(Ok(tokenizer)) = recipe.map(|r| r.tokenizer())
+        && let Some(file) = tokenizer.file()
+    {
+        let to = out.join(kiln_hf::TOKENIZER_FILE);
+        if file != to {
+            std::fs::copy(file, &to)
+                .io(|| format!("cannot copy {} to {}", file.display(), to.display()))?;
+        }
+    }
     Ok(out.join(kiln_hf::WEIGHTS_FILE))
 }

@@ -19,12 +19,14 @@ pub enum ModelSpec {
 }
 
 impl ModelSpec {
-    /// The model a recipe asks for.
+    /// The model a recipe asks for, to learn `tokenizer`'s tokens: a fresh model gets its
+    /// vocabulary.
     ///
     /// # Errors
-    /// An unknown kind, an unreadable or unsupported checkpoint config, a vocabulary smaller than
-    /// 256 bytes.
-    pub fn from_recipe(m: &ModelRecipe) -> Result<ModelSpec> {
+    /// An unknown kind, an unreadable or unsupported checkpoint config, a model vocabulary
+    /// smaller than the tokenizer's.
+    pub fn from_recipe(m: &ModelRecipe, tokenizer: &kiln_hf::Tokenizer) -> Result<ModelSpec> {
+        let tokens = tokenizer.vocab_size();
         let spec = match &m.from {
             Some(dir) => {
                 let kind = kiln_hf::model_type(dir)?;
@@ -42,7 +44,7 @@ impl ModelSpec {
                 let config = match m.kind.as_str() {
                     "gpt2" => json!({
                         "model_type": "gpt2",
-                        "vocab_size": BYTE_VOCAB,
+                        "vocab_size": tokens,
                         "n_positions": m.context,
                         "n_embd": m.dim,
                         "n_layer": m.layers,
@@ -50,7 +52,7 @@ impl ModelSpec {
                     }),
                     "llama" => json!({
                         "model_type": "llama",
-                        "vocab_size": BYTE_VOCAB,
+                        "vocab_size": tokens,
                         "hidden_size": m.dim,
                         "intermediate_size": 4 * m.dim,
                         "num_hidden_layers": m.layers,
@@ -63,11 +65,11 @@ impl ModelSpec {
             }
         };
         let vocab = spec.vocab_size();
-        if vocab < BYTE_VOCAB {
+        if vocab < tokens {
             fail!(
                 Model,
-                "the model's vocabulary has {vocab} tokens; kiln's byte tokenizer needs at least \
-                 {BYTE_VOCAB}"
+                "the model's vocabulary has {vocab} tokens; the tokenizer {} needs at least {tokens}",
+                tokenizer.describe()
             );
         }
         Ok(spec)
@@ -120,7 +122,8 @@ impl ModelSpec {
         }
     }
 
-    fn vocab_size(&self) -> usize {
+    /// The number of token ids the model embeds.
+    pub fn vocab_size(&self) -> usize {
         match self {
             ModelSpec::Gpt2(c) => c.vocab_size,
             ModelSpec::Llama(c) => c.vocab_size,

@@ -61,6 +61,24 @@ pub struct LoraRecipe {
     pub merge_into: Option<PathBuf>,
 }
 
+impl Recipe {
+    /// The tokenizer `data.tokenizer` names.
+    ///
+    /// # Errors
+    /// A missing or unreadable `tokenizer.json`.
+    pub fn tokenizer(&self) -> Result<kiln_hf::Tokenizer> {
+        use kiln_hf::Tokenizer;
+        Ok(match self.data.tokenizer.as_str() {
+            "bytes" => Tokenizer::Bytes,
+            "auto" => match &self.model.from {
+                Some(dir) => Tokenizer::of_model_dir(dir)?.unwrap_or(Tokenizer::Bytes),
+                None => Tokenizer::Bytes,
+            },
+            path => Tokenizer::from_file(path)?,
+        })
+    }
+}
+
 impl LoraRecipe {
     /// The adapters' config (seeded by the run's seed).
     pub fn config(&self, seed: u64) -> kiln_lora::LoraConfig {
@@ -112,17 +130,26 @@ impl Default for ModelRecipe {
 #[serde(deny_unknown_fields)]
 pub struct DataRecipe {
     /// `synthetic` (kiln's Markov-chain corpus, whose best achievable loss is known) or the path
-    /// of a UTF-8 text file (read as bytes: vocabulary 256).
+    /// of a UTF-8 text file.
     pub source: String,
     /// Characters of synthetic text to generate.
     pub synthetic_chars: usize,
     /// Share of the corpus (its end) held out for validation.
     pub validation_fraction: f64,
+    /// How text becomes tokens: `auto` (the `tokenizer.json` of `model.from` when it has one,
+    /// else bytes), `bytes` (vocabulary 256), or the path of a Hugging Face `tokenizer.json`.
+    #[serde(default = "auto")]
+    pub tokenizer: String,
+}
+
+fn auto() -> String {
+    "auto".into()
 }
 
 impl Default for DataRecipe {
     fn default() -> Self {
         DataRecipe {
+            tokenizer: auto(),
             source: "synthetic".into(),
             synthetic_chars: 1 << 18,
             validation_fraction: 0.1,

@@ -32,7 +32,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
-use kiln_hf::{CausalLm, GenerateConfig, Sampling, causal_lm_loss, generate};
+use kiln_hf::{CausalLm, GenerateConfig, Sampling, Tokenizer, causal_lm_loss, generate};
 use kiln_shard::LossScale;
 use kiln_shard::account::{MemKind, StepMemory};
 use kiln_shard::optimizer_state_group;
@@ -200,7 +200,8 @@ pub fn train_rank_with<B: Backend>(
     report: &mut dyn Report,
 ) -> Result<Summary> {
     recipe.check_world(group.world_size(), launched)?;
-    let spec = ModelSpec::from_recipe(&recipe.model)?;
+    let tokenizer = recipe.tokenizer()?;
+    let spec = ModelSpec::from_recipe(&recipe.model, &tokenizer)?;
     if recipe.train.seq_len > spec.max_positions() {
         fail!(
             Model,
@@ -211,17 +212,18 @@ pub fn train_rank_with<B: Backend>(
     }
     match recipe.remat()? {
         Remat::Off | Remat::Budget(_) => {
-            by_model::<B, NoCheckpointing>(recipe, spec, group, options, device, report)
+            by_model::<B, NoCheckpointing>(recipe, spec, &tokenizer, group, options, device, report)
         }
-        Remat::Balanced => {
-            by_model::<B, BalancedCheckpointing>(recipe, spec, group, options, device, report)
-        }
+        Remat::Balanced => by_model::<B, BalancedCheckpointing>(
+            recipe, spec, &tokenizer, group, options, device, report,
+        ),
     }
 }
 
 fn by_model<B: Backend, C: CheckpointStrategy>(
     recipe: &Recipe,
     spec: ModelSpec,
+    tokenizer: &Tokenizer,
     group: Arc<dyn ProcessGroup>,
     options: RunOptions,
     device: &B::Device,
@@ -237,14 +239,14 @@ fn by_model<B: Backend, C: CheckpointStrategy>(
                 config,
                 _model: PhantomData,
             };
-            run::<B, C, _>(recipe, s, plan, group, options, device, report)
+            run::<B, C, _>(recipe, s, tokenizer, plan, group, options, device, report)
         }
         (ModelSpec::Llama(config), None) => {
             let plan = Full::<Llama<B, C>, _> {
                 config,
                 _model: PhantomData,
             };
-            run::<B, C, _>(recipe, s, plan, group, options, device, report)
+            run::<B, C, _>(recipe, s, tokenizer, plan, group, options, device, report)
         }
         (ModelSpec::Gpt2(config), Some(lora)) => {
             let plan = Adapters::<Gpt2<B, C>, _> {
@@ -252,7 +254,7 @@ fn by_model<B: Backend, C: CheckpointStrategy>(
                 lora,
                 _model: PhantomData,
             };
-            run::<B, C, _>(recipe, s, plan, group, options, device, report)
+            run::<B, C, _>(recipe, s, tokenizer, plan, group, options, device, report)
         }
         (ModelSpec::Llama(config), Some(lora)) => {
             let plan = Adapters::<Llama<B, C>, _> {
@@ -260,7 +262,7 @@ fn by_model<B: Backend, C: CheckpointStrategy>(
                 lora,
                 _model: PhantomData,
             };
-            run::<B, C, _>(recipe, s, plan, group, options, device, report)
+            run::<B, C, _>(recipe, s, tokenizer, plan, group, options, device, report)
         }
     }
 }
@@ -298,9 +300,11 @@ fn all_mean(group: &dyn ProcessGroup, value: f64) -> Result<f64> {
     Ok(f64::from(buf[0]))
 }
 
+#[allow(clippy::too_many_arguments)] // the run's inputs, each used once to set it up
 fn run<B, C, P>(
     recipe: &Recipe,
     spec: ModelSpec,
+    tokenizer: &Tokenizer,
     plan: P,
     group: Arc<dyn ProcessGroup>,
     options: RunOptions,
@@ -375,7 +379,7 @@ where
     };
     group.barrier()?;
 
-    let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len)?;
+    let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len, tokenizer)?;
     let model = plan.create(recipe, device, resume_from.is_some())?;
     let bucket_bytes = match recipe.parallel.bucket_kib {
         // A quarter of the f32 parameter bytes.
@@ -434,7 +438,15 @@ where
         precision: precision.name().into(),
         world_size: world,
         tokens_per_step,
-        data: corpus.description.clone(),
+        data: match (tokenizer, &recipe.model.from) {
+            (Tokenizer::Bytes, Some(dir)) if recipe.data.tokenizer == "auto" => format!(
+                "{}; tokens are bytes: {} has no {}",
+                corpus.description,
+                dir.display(),
+                kiln_hf::TOKENIZER_FILE
+            ),
+            _ => corpus.description.clone(),
+        },
         unigram_entropy: corpus.unigram_entropy,
         floor: corpus.floor,
         resumed: resume_from.as_ref().map(|s| Resumed {
@@ -479,7 +491,9 @@ where
             report.report(Event::Validated { step: 0, loss: v });
         }
         if t.sample_chars > 0 {
-            sample_before = Some(sample_text(&model, &corpus, t, precision, device));
+            sample_before = Some(sample_text(
+                &model, &corpus, tokenizer, t, precision, device,
+            ));
         }
     }
     for step in first_step + 1..=last_step {
@@ -586,7 +600,7 @@ where
     }
 
     let sample = (t.sample_chars > 0 && last_step == t.steps)
-        .then(|| sample_text(&model, &corpus, t, precision, device));
+        .then(|| sample_text(&model, &corpus, tokenizer, t, precision, device));
     let outputs = if last_step == t.steps {
         plan.finish(&model, recipe, rank)?
     } else {
@@ -634,6 +648,7 @@ where
 fn sample_text<B, C, M>(
     model: &M,
     corpus: &Corpus,
+    tokenizer: &Tokenizer,
     t: &crate::TrainRecipe,
     precision: kiln_shard::Precision,
     device: &B::Device,
@@ -644,7 +659,12 @@ where
     M: AutodiffModule<Train<B, C>>,
     M::InnerModule: CausalLm<Shard<B>>,
 {
-    let prompt: Vec<u32> = corpus.validation[..corpus.validation.len().min(24)].to_vec();
+    // About 24 characters of prompt, whatever the tokenizer.
+    let n = match tokenizer {
+        Tokenizer::Bytes => 24,
+        _ => 8,
+    };
+    let prompt: Vec<u32> = corpus.validation[..corpus.validation.len().min(n)].to_vec();
     let config = GenerateConfig {
         max_new_tokens: t.sample_chars,
         sampling: Sampling::Temperature {
@@ -656,8 +676,7 @@ where
     let new = kiln_shard::autocast(precision, || {
         generate(&model.valid(), &prompt, &config, device)
     });
-    let tok = kiln_hf::ByteTokenizer;
-    format!("{}|{}", tok.decode(&prompt), tok.decode(&new))
+    format!("{}|{}", tokenizer.decode(&prompt), tokenizer.decode(&new))
 }
 
 fn tensors<AB: Backend>(

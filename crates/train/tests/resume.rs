@@ -74,7 +74,13 @@ fn an_export_is_the_trained_model_on_plain_burn() {
         kiln_train::export(&out, &hf).unwrap();
         // The exported directory, loaded by the model crate on plain Flex (no kiln), gives the
         // validation loss the run reported.
-        let corpus = Corpus::from_recipe(&r.data, r.train.seed, r.train.seq_len).unwrap();
+        let corpus = Corpus::from_recipe(
+            &r.data,
+            r.train.seed,
+            r.train.seq_len,
+            &kiln_hf::Tokenizer::Bytes,
+        )
+        .unwrap();
         let batches = kiln_train::validation_batches(&corpus, &r.train, 0, 1);
         let device = Default::default();
         let loss_of = |logits: Tensor<Flex, 3>, b: &kiln_train::data::Batch| -> f64 {
@@ -155,7 +161,13 @@ fn a_hugging_face_checkpoint_is_the_starting_point() {
         );
         let summary = run(&r, 2, false, Some(1));
         // Step 1's loss is the checkpoint's own loss on step 1's batch, computed on plain Flex.
-        let corpus = Corpus::from_recipe(&r.data, r.train.seed, r.train.seq_len).unwrap();
+        let corpus = Corpus::from_recipe(
+            &r.data,
+            r.train.seed,
+            r.train.seq_len,
+            &kiln_hf::Tokenizer::Bytes,
+        )
+        .unwrap();
         let mut rng = kiln_train::data::SplitMix64(kiln_train::data::mix(r.train.seed));
         let b = kiln_train::data::batch(&corpus.train, &mut rng, 4, 16, 0, 1);
         let device = Default::default();

@@ -81,7 +81,13 @@ impl Tokenizer {
             Tokenizer::Hf(t, _) => {
                 let known: Vec<u32> = ids
                     .iter()
-                    .map(|&id| if (id as usize) < self.vocab_size() { id } else { u32::MAX })
+                    .map(|&id| {
+                        if (id as usize) < self.vocab_size() {
+                            id
+                        } else {
+                            u32::MAX
+                        }
+                    })
                     .collect();
                 // Decode runs of known ids; an unknown one is one replacement character.
                 let mut out = String::new();
@@ -169,7 +175,10 @@ mod tests {
             &std::fs::read_to_string(fixture().join("expected.json")).unwrap(),
         )
         .unwrap();
-        assert_eq!(tok.vocab_size() as u64, expected["vocab_size"].as_u64().unwrap());
+        assert_eq!(
+            tok.vocab_size() as u64,
+            expected["vocab_size"].as_u64().unwrap()
+        );
         for case in expected["cases"].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
             let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
@@ -185,7 +194,10 @@ mod tests {
     #[test]
     fn missing_and_broken_tokenizers_are_named() {
         let err = Tokenizer::from_file("/nonexistent/tokenizer.json").unwrap_err();
-        assert!(err.to_string().contains("/nonexistent/tokenizer.json"), "{err}");
+        assert!(
+            err.to_string().contains("/nonexistent/tokenizer.json"),
+            "{err}"
+        );
         let dir = std::env::temp_dir().join(format!("kiln-tok-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join(TOKENIZER_FILE), "{\"model\": 3}").unwrap();
