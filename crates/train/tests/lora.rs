@@ -38,17 +38,7 @@ fn error_of(r: &Recipe) -> String {
         overwrite: true,
         ..Default::default()
     };
-    anyhow_chain(train_threads::<Flex>(r, 1, options).unwrap_err())
-}
-
-fn anyhow_chain(e: kiln_train::TrainError) -> String {
-    let mut s = e.to_string();
-    let mut source = std::error::Error::source(&e);
-    while let Some(c) = source {
-        s += &format!(": {c}");
-        source = c.source();
-    }
-    s
+    common::chain(train_threads::<Flex>(r, 1, options).unwrap_err())
 }
 
 #[test]

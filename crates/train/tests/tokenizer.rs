@@ -70,7 +70,7 @@ fn a_tokenizer_larger_than_the_base_vocabulary_is_named() {
         overwrite: true,
         ..Default::default()
     };
-    let err = chain(train_threads::<Flex>(&r, 1, options).unwrap_err());
+    let err = common::chain(train_threads::<Flex>(&r, 1, options).unwrap_err());
     assert!(
         err.contains("vocabulary has 256 tokens") && err.contains("needs at least 512"),
         "{err}"
@@ -80,17 +80,6 @@ fn a_tokenizer_larger_than_the_base_vocabulary_is_named() {
         "ddp",
         &["data.tokenizer=\"/nonexistent/tokenizer.json\""],
     );
-    let err = chain(train_threads::<Flex>(&r, 1, options).unwrap_err());
+    let err = common::chain(train_threads::<Flex>(&r, 1, options).unwrap_err());
     assert!(err.contains("/nonexistent/tokenizer.json"), "{err}");
-}
-
-/// The error and its sources, as `kiln` prints them.
-fn chain(e: kiln_train::TrainError) -> String {
-    let mut s = e.to_string();
-    let mut source = std::error::Error::source(&e);
-    while let Some(c) = source {
-        s += &format!(": {c}");
-        source = c.source();
-    }
-    s
 }

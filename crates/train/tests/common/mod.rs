@@ -38,3 +38,15 @@ pub fn run(r: &Recipe, ranks: usize, resume: bool, stop_after: Option<usize>) ->
     };
     train_threads::<Flex>(r, ranks, options).unwrap()
 }
+
+/// The error and its sources, as `kiln` prints them.
+#[allow(dead_code)] // not every test file reads errors
+pub fn chain(e: kiln_train::TrainError) -> String {
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(c) = source {
+        s += &format!(": {c}");
+        source = c.source();
+    }
+    s
+}
