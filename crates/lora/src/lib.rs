@@ -162,6 +162,15 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("dropout 0.1"), "{err}");
+        // Freezing keeps a lazy base lazy (it is loaded later, e.g. after sharding).
+        let lazy = Mlp::<B> {
+            up: LinearConfig::new(6, 10).init(&device),
+            down: LinearConfig::new(10, 3).init(&device),
+            act: Relu,
+        };
+        let frozen = lora(lazy, &config(&["up"]), burn_names, &device).unwrap();
+        assert!(!frozen.base.up.weight.is_initialized());
+        assert!(!frozen.base.up.weight.val().is_require_grad());
         // all-linear takes both layers.
         let all = lora(base, &config(&[ALL_LINEAR]), burn_names, &device).unwrap();
         let modules: Vec<_> = all.targets.iter().map(|t| t.module.as_str()).collect();

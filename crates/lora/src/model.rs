@@ -139,7 +139,7 @@ pub(crate) fn candidates<B: Backend, M: Module<B>>(module: &M, naming: Naming) -
                 name: (self.naming)(&path),
                 path,
                 container,
-                dims: param.shape().to_vec(),
+                dims: param.lazy_shape().to_vec(),
             });
         }
     }
@@ -261,12 +261,23 @@ pub fn lora<B: Backend, M: Module<B>>(
         })
         .collect();
     Ok(Lora {
-        base: base.no_grad(),
+        base: base.map(&mut Freeze),
         adapters,
         targets,
         config: config.clone(),
         naming,
     })
+}
+
+/// Turns gradients off, keeping a lazily initialised parameter lazy (Burn's `no_grad` would
+/// initialise it): a base can be frozen, then sharded, then loaded tensor by tensor, and is
+/// never whole on a rank.
+struct Freeze;
+
+impl<B: Backend> ModuleMapper<B> for Freeze {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.set_require_grad(false)
+    }
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {

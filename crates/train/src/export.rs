@@ -68,6 +68,7 @@ where
                 _model: std::marker::PhantomData,
             };
             let adapters = Plan::<Flex, NoCheckpointing>::create(&plan, recipe, &device, true)?;
+            let adapters = Plan::<Flex, NoCheckpointing>::start(&plan, adapters, recipe, true)?;
             load_params::<Flex, _, _>(adapters, snap)?.merge()
         }
         None => load_params::<Flex, _, M>(M::from_config(config, &device), snap)?,

@@ -22,8 +22,9 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
     /// `resuming` (the snapshot gives them).
     fn create(&self, recipe: &Recipe, device: &B::Device, resuming: bool) -> Result<Self::Model>;
 
-    /// Its values at step 0, after sharding.
-    fn start(&self, model: Self::Model, recipe: &Recipe) -> Result<Self::Model>;
+    /// Its values at step 0, after sharding; when `resuming`, only what the snapshot does not
+    /// hold (the snapshot is loaded next).
+    fn start(&self, model: Self::Model, recipe: &Recipe, resuming: bool) -> Result<Self::Model>;
 
     /// A line for the run's start, when only part of the model trains.
     fn describe(&self, model: &Self::Model) -> Option<String>;
@@ -56,7 +57,10 @@ where
         Ok(M::from_config(&self.config, device))
     }
 
-    fn start(&self, model: M, recipe: &Recipe) -> Result<M> {
+    fn start(&self, model: M, recipe: &Recipe, resuming: bool) -> Result<M> {
+        if resuming {
+            return Ok(model);
+        }
         // Loaded (or initialised) after sharding: under ZeRO-3 each tensor is sharded as it
         // arrives, so the whole model never exists on a rank.
         Ok(match &recipe.model.from {
@@ -95,14 +99,9 @@ where
     type Model = Lora<Train<B, C>, M>;
 
     fn create(&self, recipe: &Recipe, device: &B::Device, _: bool) -> Result<Self::Model> {
-        let Some(from) = &recipe.model.from else {
-            fail!(Recipe, "LoRA fine-tunes a pretrained base: set model.from");
-        };
-        // The base is loaded whole, then frozen and sharded with the adapters (the frozen
-        // weights are never trained, so a snapshot does not hold them: resuming loads them
-        // from here again).
-        let base = M::from_config(&self.config, device)
-            .load_safetensors(from.join(kiln_hf::WEIGHTS_FILE))?;
+        // The base stays uninitialised here: frozen, then sharded, then loaded tensor by
+        // tensor in `start`, so that under ZeRO-3 it is never whole on a rank.
+        let base = M::from_config(&self.config, device);
         Ok(match &self.lora.adapter {
             Some(dir) => kiln_lora::load_peft(base, dir, M::hf_tensor, device)?,
             None => kiln_lora::lora(
@@ -114,8 +113,15 @@ where
         })
     }
 
-    fn start(&self, model: Self::Model, _: &Recipe) -> Result<Self::Model> {
-        Ok(model)
+    fn start(&self, model: Self::Model, recipe: &Recipe, _: bool) -> Result<Self::Model> {
+        // Frozen weights are never in a snapshot: always the base's.
+        let Some(from) = &recipe.model.from else {
+            fail!(Recipe, "LoRA fine-tunes a pretrained base: set model.from");
+        };
+        let base = model
+            .base
+            .load_safetensors(from.join(kiln_hf::WEIGHTS_FILE))?;
+        Ok(Lora { base, ..model })
     }
 
     fn describe(&self, model: &Self::Model) -> Option<String> {

@@ -411,6 +411,7 @@ where
                 s.scale = scale;
                 s.good_steps = good;
             }
+            let model = plan.start(model, recipe, true)?;
             let model = load_params::<B, C, P::Model>(model, snap)?;
             let meta = &snap.manifest.meta;
             let record =
@@ -423,7 +424,12 @@ where
                 meta.optimizer_time,
             )
         }
-        None => (plan.start(model, recipe)?, 0, SplitMix64(mix(t.seed)), 0),
+        None => (
+            plan.start(model, recipe, false)?,
+            0,
+            SplitMix64(mix(t.seed)),
+            0,
+        ),
     };
 
     let mut metrics = Metrics::new(rank == 0, first_step, &out.join("metrics.jsonl"))?;
