@@ -202,3 +202,31 @@ fn bad_lora_settings_are_named() {
     .to_string();
     assert!(err.contains("set model.from"), "{err}");
 }
+
+/// Adapters compose with the memory policies: kiln's remat budget gives the same losses as no
+/// remat (exact), bf16 compute reaches f32's validation loss within 2%.
+#[test]
+fn finetune_composes_with_remat_and_precision() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        common::run(
+            &finetune(
+                &tmp.path().join(name),
+                "tiny-gpt2",
+                "ddp",
+                r#"["c_attn"]"#,
+                extra,
+            ),
+            1,
+            false,
+            None,
+        )
+    };
+    let off = run("off", &[]);
+    let remat = run("remat", &[r#"train.remat="budget=64KiB""#]);
+    assert_eq!(remat.losses, off.losses);
+    let bf16 = run("bf16", &[r#"train.precision="bf16""#]);
+    let (a, b) = (off.val_loss.unwrap(), bf16.val_loss.unwrap());
+    assert!((a - b).abs() <= 0.02 * a, "f32 {a} vs bf16 {b}");
+    assert_ne!(bf16.losses, off.losses, "bf16 computed in f32?");
+}
