@@ -245,7 +245,7 @@ pub fn lora<B: Backend, M: Module<B>>(
     let adapters = targets
         .iter()
         .map(|t| {
-            let seed = config.seed ^ fnv1a(t.path.as_bytes());
+            let seed = config.seed ^ kiln_comm::hash::fnv1a(t.path.as_bytes());
             let mut rng = SplitMix64(seed);
             let bound = 1.0 / (t.fan_in as f32).sqrt();
             let a: Vec<f32> = (0..config.r * t.fan_in)
@@ -278,12 +278,6 @@ impl<B: Backend> ModuleMapper<B> for Freeze {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         param.set_require_grad(false)
     }
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// Replaces the weights at some paths by `f(weight, delta)`.

@@ -13,6 +13,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use kiln_hf::verify::relative_error;
 use kiln_hf::{CausalLm, HfNaming, SafetensorsFile, causal_lm_loss};
 use kiln_shard::{Shard, ShardedOptimizer, StepConfig};
 use std::fmt;
@@ -53,19 +54,6 @@ impl fmt::Display for Check {
             if self.passed() { "" } else { "  FAILED" }
         )
     }
-}
-
-/// `||a - b|| / ||b||`.
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    let (mut d, mut n) = (0.0f64, 0.0f64);
-    for (x, y) in a.iter().zip(b) {
-        d += (f64::from(*x) - f64::from(*y)).powi(2);
-        n += f64::from(*y).powi(2);
-    }
-    if a.len() != b.len() {
-        return f64::INFINITY;
-    }
-    (d / n.max(f64::MIN_POSITIVE)).sqrt()
 }
 
 fn floats(d: TensorData) -> Vec<f32> {
@@ -127,7 +115,11 @@ where
     let logits = model.merged().forward(ids.clone());
     let want = floats(reference.float("logits", Some(&logits.dims()))?);
     let got = floats(logits.clone().into_data());
-    checks.push(worst("logits", 1e-4, [("logits".into(), rel(&got, &want))]));
+    checks.push(worst(
+        "logits",
+        1e-4,
+        [("logits".into(), relative_error(&got, &want))],
+    ));
     let loss = causal_lm_loss(logits, labels.clone());
     let loss_init: f32 = loss.clone().into_scalar().elem();
     let scalar = |key: &str, got: f32| -> Result<(String, f64), LoraError> {
@@ -193,7 +185,7 @@ where
     let mut finals = Vec::new();
     for (key, data) in model.adapter_tensors() {
         let want = floats(reference.float(&format!("final.{key}"), Some(&data.shape))?);
-        finals.push((key, rel(&floats(data), &want)));
+        finals.push((key, relative_error(&floats(data), &want)));
     }
     checks.push(worst("final adapters", 1e-4, finals));
 
@@ -203,7 +195,7 @@ where
     let mut weights = Vec::new();
     for (name, data) in kiln_hf::hf_tensors(&merged) {
         let want = floats(file.float(&name, Some(&data.shape))?);
-        weights.push((name, rel(&floats(data), &want)));
+        weights.push((name, relative_error(&floats(data), &want)));
     }
     checks.push(worst("merged weights", 1e-4, weights));
     let merged_loss: f32 = causal_lm_loss(merged.forward(ids), labels)

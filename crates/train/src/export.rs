@@ -67,7 +67,7 @@ where
                 lora: recipe.lora.clone().expect("filtered on lora"),
                 _model: std::marker::PhantomData,
             };
-            let adapters = Plan::<Flex, NoCheckpointing>::create(&plan, recipe, &device, true)?;
+            let adapters = Plan::<Flex, NoCheckpointing>::create(&plan, recipe, &device)?;
             let adapters = Plan::<Flex, NoCheckpointing>::start(&plan, adapters, recipe, true)?;
             load_params::<Flex, _, _>(adapters, snap)?.merge()
         }

@@ -18,9 +18,8 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
     /// The trained module.
     type Model: AutodiffModule<Train<B, C>> + CausalLm<Train<B, C>>;
 
-    /// The module before sharding. Its trainable parameters need no values yet when
-    /// `resuming` (the snapshot gives them).
-    fn create(&self, recipe: &Recipe, device: &B::Device, resuming: bool) -> Result<Self::Model>;
+    /// The module before sharding, its parameters not loaded yet ([`start`](Plan::start) does).
+    fn create(&self, recipe: &Recipe, device: &B::Device) -> Result<Self::Model>;
 
     /// Its values at step 0, after sharding; when `resuming`, only what the snapshot does not
     /// hold (the snapshot is loaded next).
@@ -53,7 +52,7 @@ where
 {
     type Model = M;
 
-    fn create(&self, _: &Recipe, device: &B::Device, _: bool) -> Result<M> {
+    fn create(&self, _: &Recipe, device: &B::Device) -> Result<M> {
         Ok(M::from_config(&self.config, device))
     }
 
@@ -98,7 +97,7 @@ where
 {
     type Model = Lora<Train<B, C>, M>;
 
-    fn create(&self, recipe: &Recipe, device: &B::Device, _: bool) -> Result<Self::Model> {
+    fn create(&self, recipe: &Recipe, device: &B::Device) -> Result<Self::Model> {
         // The base stays uninitialised here: frozen, then sharded, then loaded tensor by
         // tensor in `start`, so that under ZeRO-3 it is never whole on a rank.
         let base = M::from_config(&self.config, device);

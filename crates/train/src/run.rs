@@ -32,7 +32,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
-use kiln_hf::{CausalLm, GenerateConfig, Sampling, Tokenizer, causal_lm_loss, generate};
+use kiln_hf::{
+    CausalLm, GenerateConfig, Pretrained, Sampling, Tokenizer, causal_lm_loss, generate,
+};
+use kiln_lora::Lora;
 use kiln_shard::LossScale;
 use kiln_shard::account::{MemKind, StepMemory};
 use kiln_shard::optimizer_state_group;
@@ -229,40 +232,53 @@ fn by_model<B: Backend, C: CheckpointStrategy>(
     device: &B::Device,
     report: &mut dyn Report,
 ) -> Result<Summary> {
-    type Gpt2<B, C> = kiln_gpt2::Gpt2<Train<B, C>>;
-    type Llama<B, C> = kiln_llama::Llama<Train<B, C>>;
-    let lora = recipe.lora.clone();
-    let s = spec.clone();
-    match (spec, lora) {
-        (ModelSpec::Gpt2(config), None) => {
-            let plan = Full::<Gpt2<B, C>, _> {
-                config,
-                _model: PhantomData,
-            };
-            run::<B, C, _>(recipe, s, tokenizer, plan, group, options, device, report)
+    match spec.clone() {
+        ModelSpec::Gpt2(config) => by_plan::<B, C, kiln_gpt2::Gpt2<Train<B, C>>>(
+            recipe, spec, config, tokenizer, group, options, device, report,
+        ),
+        ModelSpec::Llama(config) => by_plan::<B, C, kiln_llama::Llama<Train<B, C>>>(
+            recipe, spec, config, tokenizer, group, options, device, report,
+        ),
+    }
+}
+
+/// The model `M` trained whole, or LoRA adapters on it when the recipe has `[lora]`.
+#[allow(clippy::too_many_arguments)] // `run`'s inputs, passed through
+fn by_plan<B, C, M>(
+    recipe: &Recipe,
+    spec: ModelSpec,
+    config: M::Config,
+    tokenizer: &Tokenizer,
+    group: Arc<dyn ProcessGroup>,
+    options: RunOptions,
+    device: &B::Device,
+    report: &mut dyn Report,
+) -> Result<Summary>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: Pretrained<Train<B, C>> + CausalLm<Train<B, C>> + AutodiffModule<Train<B, C>>,
+    M::InnerModule: CausalLm<Shard<B>>,
+    Lora<Train<B, C>, M>: AutodiffModule<Train<B, C>>,
+    <Lora<Train<B, C>, M> as AutodiffModule<Train<B, C>>>::InnerModule: CausalLm<Shard<B>>,
+{
+    let _model = PhantomData;
+    match recipe.lora.clone() {
+        None => {
+            let plan = Full::<M, _> { config, _model };
+            run::<B, C, _>(
+                recipe, spec, tokenizer, plan, group, options, device, report,
+            )
         }
-        (ModelSpec::Llama(config), None) => {
-            let plan = Full::<Llama<B, C>, _> {
-                config,
-                _model: PhantomData,
-            };
-            run::<B, C, _>(recipe, s, tokenizer, plan, group, options, device, report)
-        }
-        (ModelSpec::Gpt2(config), Some(lora)) => {
-            let plan = Adapters::<Gpt2<B, C>, _> {
+        Some(lora) => {
+            let plan = Adapters::<M, _> {
                 config,
                 lora,
-                _model: PhantomData,
+                _model,
             };
-            run::<B, C, _>(recipe, s, tokenizer, plan, group, options, device, report)
-        }
-        (ModelSpec::Llama(config), Some(lora)) => {
-            let plan = Adapters::<Llama<B, C>, _> {
-                config,
-                lora,
-                _model: PhantomData,
-            };
-            run::<B, C, _>(recipe, s, tokenizer, plan, group, options, device, report)
+            run::<B, C, _>(
+                recipe, spec, tokenizer, plan, group, options, device, report,
+            )
         }
     }
 }
@@ -380,7 +396,7 @@ where
     group.barrier()?;
 
     let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len, tokenizer)?;
-    let model = plan.create(recipe, device, resume_from.is_some())?;
+    let model = plan.create(recipe, device)?;
     let bucket_bytes = match recipe.parallel.bucket_kib {
         // A quarter of the f32 parameter bytes.
         0 => model.num_params().clamp(256 << 10, 25 << 20),

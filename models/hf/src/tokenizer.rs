@@ -79,15 +79,11 @@ impl Tokenizer {
         match self {
             Tokenizer::Bytes => ByteTokenizer.decode(ids),
             Tokenizer::Hf(t, _) => {
+                // Once: the vocabulary size with added tokens builds the whole vocabulary map.
+                let vocab = self.vocab_size();
                 let known: Vec<u32> = ids
                     .iter()
-                    .map(|&id| {
-                        if (id as usize) < self.vocab_size() {
-                            id
-                        } else {
-                            u32::MAX
-                        }
-                    })
+                    .map(|&id| if (id as usize) < vocab { id } else { u32::MAX })
                     .collect();
                 // Decode runs of known ids; an unknown one is one replacement character.
                 let mut out = String::new();
