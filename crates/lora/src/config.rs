@@ -21,6 +21,10 @@ pub struct LoraConfig {
     pub rslora: bool,
     /// Seeds the draw of the `A` matrices (the same on every rank).
     pub seed: u64,
+    /// QLoRA: the targets' base weights stored 4-bit (NF4 with double quantisation, see
+    /// [`crate::quant`]) and dequantised on use.
+    #[serde(default)]
+    pub qlora: bool,
 }
 
 impl Default for LoraConfig {
@@ -35,6 +39,7 @@ impl Default for LoraConfig {
                 .to_vec(),
             rslora: false,
             seed: 0,
+            qlora: false,
         }
     }
 }

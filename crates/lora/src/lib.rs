@@ -32,6 +32,7 @@ pub mod config;
 mod error;
 mod model;
 mod peft;
+pub mod quant;
 pub mod verify;
 
 pub use config::{ALL_LINEAR, LoraConfig};
@@ -225,5 +226,83 @@ mod tests {
         let err = load_peft(model.base.clone(), &dir, burn_names, &device).unwrap_err();
         assert!(err.to_string().contains("is [3, 6]"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn qlora_runs_on_the_dequantised_base_and_trains_the_adapters() {
+        use crate::quant::{Nf4Matrix, Nf4Weight};
+        use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+        let device = Default::default();
+        // 100 x 30 weights: 47 blocks, the last one partial.
+        let base = Mlp::<B> {
+            up: LinearConfig::new(30, 100).init(&device),
+            down: LinearConfig::new(100, 3).init(&device),
+            act: Relu,
+        }
+        .no_grad();
+        let config = LoraConfig {
+            qlora: true,
+            ..config(&["up"])
+        };
+        let mut model = lora(base.clone(), &config, burn_names, &device).unwrap();
+        assert!(model.config.qlora);
+        // The f32 weight is gone from the base; its 4-bit form is the host reference's.
+        assert_eq!(model.base.up.weight.val().dims(), [0, 0]);
+        let w = base.up.weight.val();
+        let host = Nf4Matrix::quantize(
+            &w.clone().transpose().into_data().into_vec::<f32>().unwrap(),
+            100,
+            30,
+        );
+        let deq = model.quantized[0].dequantize();
+        assert_eq!(deq.dims(), [30, 100]);
+        let want =
+            Tensor::<B, 2>::from_data(TensorData::new(host.dequantize(), [100, 30]), &device);
+        assert_eq!(max_diff(deq.clone(), want.transpose()), 0.0);
+        // NF4's error: at most half its widest gap (-1 to -0.696) of a block's scale, not zero.
+        let err = max_diff(deq.clone(), w.clone());
+        let range: f32 = w.clone().abs().max().into_scalar();
+        assert!(err > 0.0 && err < 0.155 * range, "{err} of {range}");
+        assert_eq!(model.base_params(), base.num_params());
+        // Base bytes: f32 for `down` and the biases, about 0.13 of f32 for `up`.
+        let up_bytes = model.quantized[0].bytes();
+        assert!(up_bytes * 6 < 3000 * 4, "{up_bytes}");
+        assert_eq!(
+            model.base_bytes(),
+            (base.num_params() - 3000) * 4 + up_bytes
+        );
+        // The forward is the base's on the dequantised weight (B is zero).
+        let x = Tensor::<B, 2>::random([5, 30], Distribution::Normal(0.0, 1.0), &device);
+        let mut on_deq = base.clone();
+        on_deq.up.weight = burn::module::Param::from_tensor(deq.clone());
+        let y0 = on_deq.forward(x.clone());
+        assert_eq!(max_diff(model.merged().forward(x.clone()), y0.clone()), 0.0);
+        // Adapters learn the difference to a target; only they get gradients.
+        let target = base.forward(x.clone());
+        let mut optim = AdamWConfig::new().init();
+        let loss0: f32 = (y0 - target.clone()).powf_scalar(2.0).mean().into_scalar();
+        let mut loss = loss0;
+        for _ in 0..30 {
+            let l = (model.merged().forward(x.clone()) - target.clone())
+                .powf_scalar(2.0)
+                .mean();
+            loss = l.clone().into_scalar();
+            let grads = l.backward();
+            assert!(model.base.down.weight.val().grad(&grads).is_none());
+            let grads = GradientsParams::from_grads(grads, &model);
+            model = optim.step(1e-2, model, grads);
+        }
+        assert!(loss < 0.5 * loss0, "{loss0} -> {loss}");
+        // Merging gives the dequantised weight plus the update; the codes did not move.
+        assert_eq!(
+            model.quantized[0].codes.val().into_data(),
+            Nf4Weight::<B>::quantize(w).codes.val().into_data()
+        );
+        let merged = model.merge();
+        let d = model.adapters[0].delta(model.scaling());
+        assert!(max_diff(merged.up.weight.val(), deq + d) < 1e-6);
+        // Quantising again is a no-op.
+        let again = model.quantize_base();
+        assert_eq!(again.quantized.len(), 1);
     }
 }

@@ -2,10 +2,11 @@
 
 use crate::config::{LoraConfig, matches};
 use crate::error::LoraError;
+use crate::quant::{Nf4Matrix, Nf4Weight};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use kiln_hf::HfTensorName;
+use kiln_hf::{HfTensorName, SafetensorsFile};
 use std::collections::HashMap;
 
 /// How a model's parameters are named in files and target patterns: Hugging Face names for
@@ -73,6 +74,9 @@ pub struct Lora<B: Backend, M: Module<B>> {
     pub base: M,
     /// One adapter per target, in target order.
     pub adapters: Vec<Adapter<B>>,
+    /// QLoRA: the targets' base weights in NF4, in target order (empty otherwise). The base's
+    /// own parameter for a quantised target is then an empty placeholder.
+    pub quantized: Vec<Nf4Weight<B>>,
     /// The adapted weights.
     #[module(skip)]
     pub targets: Vec<Target>,
@@ -260,12 +264,21 @@ pub fn lora<B: Backend, M: Module<B>>(
             }
         })
         .collect();
-    Ok(Lora {
+    let model = Lora {
         base: base.map(&mut Freeze),
         adapters,
+        quantized: Vec::new(),
         targets,
-        config: config.clone(),
+        config: LoraConfig {
+            qlora: false,
+            ..config.clone()
+        },
         naming,
+    };
+    Ok(if config.qlora {
+        model.quantize_base()
+    } else {
+        model
     })
 }
 
@@ -280,10 +293,49 @@ impl<B: Backend> ModuleMapper<B> for Freeze {
     }
 }
 
-/// Replaces the weights at some paths by `f(weight, delta)`.
+/// Takes the targets' weights out of the base, leaving empty placeholders (QLoRA).
+struct Take<B: Backend> {
+    stack: Vec<String>,
+    paths: HashMap<String, usize>,
+    taken: Vec<Option<Tensor<B, 2>>>,
+}
+
+impl<B: Backend> ModuleMapper<B> for Take<B> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.stack.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.stack.pop();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(&i) = self.paths.get(&self.stack.join(".")) else {
+            return param;
+        };
+        let device = param.lazy_device();
+        let (id, w, mapper): (ParamId, _, _) = param.consume();
+        self.taken[i] = Some(Tensor::from_primitive(w.into_primitive()));
+        let empty =
+            Tensor::<B, D>::from_primitive(Tensor::<B, 2>::zeros([0, 0], &device).into_primitive());
+        Param::from_mapped_value(id, empty, mapper)
+    }
+}
+
+/// The transpose of the row-major `[rows, cols]` `values`.
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = values[r * cols + c];
+        }
+    }
+    out
+}
+
+/// Replaces the weights at some paths by `f(weight, delta)`, the weight being the dequantised
+/// one where the base holds a QLoRA placeholder.
 struct Apply<B: Backend, F> {
     stack: Vec<String>,
-    deltas: HashMap<String, Tensor<B, 2>>,
+    deltas: HashMap<String, (Tensor<B, 2>, Option<Tensor<B, 2>>)>,
     f: F,
 }
 
@@ -297,12 +349,12 @@ impl<B: Backend, F: FnMut(Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>> ModuleMap
         self.stack.pop();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let Some(delta) = self.deltas.remove(&self.stack.join(".")) else {
+        let Some((delta, weight)) = self.deltas.remove(&self.stack.join(".")) else {
             return param;
         };
         let (id, w, mapper): (ParamId, _, _) = param.consume();
         // Targets are rank 2 (checked when they were found): the casts only restate D = 2.
-        let w = Tensor::<B, 2>::from_primitive(w.into_primitive());
+        let w = weight.unwrap_or_else(|| Tensor::<B, 2>::from_primitive(w.into_primitive()));
         let out = Tensor::<B, D>::from_primitive((self.f)(w, delta).into_primitive());
         Param::from_mapped_value(id, out, mapper)
     }
@@ -314,10 +366,13 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
         self.config.scaling()
     }
 
+    /// Maps each target weight `w` of `base` to `f(w, delta)`; `w` is the dequantised weight
+    /// under QLoRA when `dequantized` (the base holds placeholders), else `base`'s own.
     fn apply(
         &self,
         base: M,
         detach: bool,
+        dequantized: bool,
         f: impl FnMut(Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>,
     ) -> M {
         let s = self.scaling();
@@ -325,9 +380,14 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             .targets
             .iter()
             .zip(&self.adapters)
-            .map(|(t, a)| {
+            .enumerate()
+            .map(|(i, (t, a))| {
                 let d = a.delta(s);
-                (t.path.clone(), if detach { d.detach() } else { d })
+                let d = if detach { d.detach() } else { d };
+                let w = dequantized
+                    .then(|| self.quantized.get(i).map(Nf4Weight::dequantize))
+                    .flatten();
+                (t.path.clone(), (d, w))
             })
             .collect();
         base.map(&mut Apply {
@@ -341,18 +401,18 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
     /// the model to run forward. Cheap: untouched parameters are shared, and each merged
     /// weight costs one `[in, r] x [r, out]` product.
     pub fn merged(&self) -> M {
-        self.apply(self.base.clone(), false, |w, d| w + d)
+        self.apply(self.base.clone(), false, true, |w, d| w + d)
     }
 
     /// The base with the adapters merged in for good (`W += s (B A)ᵀ`), detached from the
     /// adapters: what deployment loads.
     pub fn merge(&self) -> M {
-        self.apply(self.base.clone(), true, |w, d| w + d)
+        self.apply(self.base.clone(), true, true, |w, d| w + d)
     }
 
     /// The base back from a merged model (`W -= s (B A)ᵀ`), up to float rounding.
     pub fn unmerge(&self, merged: M) -> M {
-        self.apply(merged, true, |w, d| w - d)
+        self.apply(merged, true, false, |w, d| w - d)
     }
 
     /// The number of adapter parameters (the trainable ones).
@@ -360,9 +420,108 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
         self.adapters.iter().map(Module::num_params).sum()
     }
 
-    /// The number of base parameters (frozen).
+    /// The number of base parameters (frozen), quantised ones included.
     pub fn base_params(&self) -> usize {
-        self.base.num_params()
+        let quantized: usize = self.quantized.iter().map(|q| q.dims[0] * q.dims[1]).sum();
+        self.base.num_params() + quantized
+    }
+
+    /// The bytes the frozen base takes: its float parameters, and under QLoRA the quantised
+    /// targets' codes and scales.
+    pub fn base_bytes(&self) -> usize {
+        let float = self.base.num_params() * std::mem::size_of::<B::FloatElem>();
+        float + self.quantized.iter().map(Nf4Weight::bytes).sum::<usize>()
+    }
+
+    /// The bytes the base's targets would take unquantised.
+    pub fn target_bytes(&self) -> usize {
+        let values: usize = self.targets.iter().map(|t| t.fan_in * t.fan_out).sum();
+        values * std::mem::size_of::<B::FloatElem>()
+    }
+
+    /// QLoRA: stores each target's base weight in NF4 with double quantisation ([`crate::quant`])
+    /// and puts an empty placeholder in the base in its place, so the f32 weight is freed; the
+    /// forward dequantises it on use. A target not initialised yet is initialised first (as the
+    /// base's module would be), one at a time; [`load_base`](Lora::load_base) quantises the
+    /// weights of a file instead. Idempotent.
+    pub fn quantize_base(self) -> Self {
+        if self.config.qlora {
+            return self;
+        }
+        let paths: HashMap<String, usize> = self
+            .targets
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.path.clone(), i))
+            .collect();
+        let mut take = Take {
+            stack: Vec::new(),
+            paths,
+            taken: (0..self.targets.len()).map(|_| None).collect(),
+        };
+        let base = self.base.map(&mut take);
+        let quantized = take
+            .taken
+            .into_iter()
+            .map(|w| Nf4Weight::quantize(w.expect("every target is a parameter of the base")))
+            .collect();
+        Lora {
+            base,
+            quantized,
+            config: LoraConfig {
+                qlora: true,
+                ..self.config
+            },
+            ..self
+        }
+    }
+
+    /// Loads the frozen base from a Hugging Face weights file in the model's naming: every
+    /// parameter, except that under QLoRA each target's weight is read, quantised and kept only
+    /// in NF4. Under ZeRO-3 each tensor is sharded as it arrives.
+    ///
+    /// # Errors
+    /// A tensor missing from the file or of another shape (both shapes named).
+    pub fn load_base(self, file: &SafetensorsFile) -> Result<Self, LoraError> {
+        let quantized_paths: std::collections::HashSet<String> = if self.config.qlora {
+            self.targets.iter().map(|t| t.path.clone()).collect()
+        } else {
+            Default::default()
+        };
+        let base = kiln_hf::load_weights_named(self.base, file, self.naming, |path| {
+            !quantized_paths.contains(path)
+        })?;
+        let mut quantized = Vec::with_capacity(self.quantized.len());
+        for (t, q) in self.targets.iter().zip(self.quantized) {
+            let name = (self.naming)(&t.path);
+            // Quantised in nn.Linear's [out, in]: the file's layout, or its transpose for a
+            // Conv1D ([in, out], `transposed` false).
+            let file_dims = if name.transposed {
+                [t.fan_out, t.fan_in]
+            } else {
+                [t.fan_in, t.fan_out]
+            };
+            let data = file.float(&name.name, Some(&file_dims))?;
+            let values = data.into_vec::<f32>().map_err(|e| LoraError::Mismatch {
+                path: file.path().to_path_buf(),
+                what: format!("'{}' is not f32 data ({e:?})", name.name),
+            })?;
+            let values = if name.transposed {
+                values
+            } else {
+                transpose(&values, t.fan_in, t.fan_out)
+            };
+            let device = q.codes.val().device();
+            quantized.push(Nf4Weight::upload(
+                &Nf4Matrix::quantize(&values, t.fan_out, t.fan_in),
+                &device,
+            ));
+        }
+        Ok(Lora {
+            base,
+            quantized,
+            ..self
+        })
     }
 
     /// The base's float parameters as candidates, for naming checks.

@@ -181,6 +181,7 @@ fn read_config(dir: &Path) -> Result<LoraConfig, LoraError> {
         targets: Vec::new(),
         rslora: field("use_rslora").and_then(Value::as_bool) == Some(true),
         seed: 0,
+        qlora: false,
     })
 }
 

@@ -453,7 +453,9 @@ where
             let (id, tensor, mapper) = p.consume();
             let shape = tensor.shape();
             let values = self.ints(shape.num_elements()).to_vec();
-            let t = Tensor::from_data(TensorData::new(values, shape), &tensor.device());
+            // In the buffer's own dtype: a u8 code tensor (QLoRA's base) stays one byte a value.
+            let options = (&tensor.device(), tensor.dtype());
+            let t = Tensor::from_data(TensorData::new(values, shape), options);
             Param::from_mapped_value(id, t, mapper)
         }
         fn map_bool<const D: usize>(

@@ -101,14 +101,24 @@ where
         // The base stays uninitialised here: frozen, then sharded, then loaded tensor by
         // tensor in `start`, so that under ZeRO-3 it is never whole on a rank.
         let base = M::from_config(&self.config, device);
-        Ok(match &self.lora.adapter {
+        let model = match &self.lora.adapter {
             Some(dir) => kiln_lora::load_peft(base, dir, M::hf_tensor, device)?,
             None => kiln_lora::lora(
                 base,
-                &self.lora.config(recipe.train.seed),
+                &kiln_lora::LoraConfig {
+                    qlora: false,
+                    ..self.lora.config(recipe.train.seed)
+                },
                 M::hf_tensor,
                 device,
             )?,
+        };
+        // QLoRA: the targets' weights leave the base here (placeholders), so sharding never
+        // allocates them; `start` fills their 4-bit codes from the file.
+        Ok(if self.lora.qlora {
+            model.quantize_base()
+        } else {
+            model
         })
     }
 
@@ -117,15 +127,14 @@ where
         let Some(from) = &recipe.model.from else {
             fail!(Recipe, "LoRA fine-tunes a pretrained base: set model.from");
         };
-        let base = model
-            .base
-            .load_safetensors(from.join(kiln_hf::WEIGHTS_FILE))?;
-        Ok(Lora { base, ..model })
+        let file =
+            kiln_hf::SafetensorsFile::open(from.join(kiln_hf::WEIGHTS_FILE), "the base's weights")?;
+        Ok(model.load_base(&file)?)
     }
 
     fn describe(&self, model: &Self::Model) -> Option<String> {
         let (trainable, base) = (model.trainable_params(), model.base_params());
-        Some(format!(
+        let mut line = format!(
             "LoRA r={} alpha={} on {} weights: {} trainable parameters ({:.2}% of the base's {}), the base frozen",
             model.config.r,
             model.config.alpha,
@@ -133,7 +142,17 @@ where
             crate::report::human(trainable as f64),
             100.0 * trainable as f64 / base as f64,
             crate::report::human(base as f64),
-        ))
+        );
+        if model.config.qlora {
+            let f32_base = base * std::mem::size_of::<f32>();
+            line += &format!(
+                "; QLoRA: targets in NF4, the base takes {} (f32: {}, {:.3}x)",
+                crate::report::bytes(model.base_bytes()),
+                crate::report::bytes(f32_base),
+                model.base_bytes() as f64 / f32_base as f64,
+            );
+        }
+        Some(line)
     }
 
     fn finish(

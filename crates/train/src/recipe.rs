@@ -51,6 +51,10 @@ pub struct LoraRecipe {
     /// Dropout on the adapters' input; kiln's merged-weight adapters refuse anything but 0.
     #[serde(default)]
     pub dropout: f64,
+    /// QLoRA: the base's targeted weights stored 4-bit (NF4 with double quantisation) and
+    /// dequantised on use; the adapters and the rest of the base stay in f32.
+    #[serde(default)]
+    pub qlora: bool,
     /// Start from this PEFT adapter directory instead of fresh adapters (its r, alpha and
     /// targets are used).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -89,6 +93,7 @@ impl LoraRecipe {
             targets: self.targets.clone(),
             rslora: self.rslora,
             seed,
+            qlora: self.qlora,
         }
     }
 }

@@ -47,5 +47,6 @@ pub use safetensors_file::SafetensorsFile;
 pub use tokenizer::{ByteTokenizer, TOKENIZER_FILE, Tokenizer};
 pub use weights::{
     HfGrads, HfNaming, HfTensorName, hf_grad_norms, hf_grads, hf_tensors, load_weights,
-    save_weights, save_weights_as, torch_dtype_name, write_tensors, write_tensors_as,
+    load_weights_named, save_weights, save_weights_as, torch_dtype_name, write_tensors,
+    write_tensors_as,
 };

@@ -72,14 +72,15 @@ fn hf_shape(burn_shape: &[usize], transposed: bool, name: &str) -> Vec<usize> {
     }
 }
 
-struct Loader<'a, M> {
+struct Loader<'a, K> {
     file: &'a SafetensorsFile,
+    naming: fn(&str) -> HfTensorName,
+    keep: K,
     path: PathStack,
     error: Option<HfError>,
-    _model: std::marker::PhantomData<M>,
 }
 
-impl<B: Backend, M: HfNaming> ModuleMapper<B> for Loader<'_, M> {
+impl<B: Backend, K: FnMut(&str) -> bool> ModuleMapper<B> for Loader<'_, K> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.enter(name);
     }
@@ -89,10 +90,11 @@ impl<B: Backend, M: HfNaming> ModuleMapper<B> for Loader<'_, M> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        if self.error.is_some() {
+        let path = self.path.path();
+        if self.error.is_some() || !(self.keep)(&path) {
             return param;
         }
-        let hf = M::hf_tensor(&self.path.path());
+        let hf = (self.naming)(&path);
         let expected = hf_shape(&param.lazy_shape().to_vec(), hf.transposed, &hf.name);
         match self.file.float(&hf.name, Some(&expected)) {
             Ok(data) => {
@@ -123,11 +125,27 @@ pub fn load_weights<B: Backend, M: Module<B> + HfNaming>(
     model: M,
     file: &SafetensorsFile,
 ) -> Result<M, HfError> {
-    let mut loader = Loader::<M> {
+    load_weights_named(model, file, M::hf_tensor, |_| true)
+}
+
+/// [`load_weights`] with the naming given (a module that is not itself [`HfNaming`], such as
+/// one wrapping an HF model), for the parameters whose Burn path `keep` accepts; the others are
+/// left as they are.
+///
+/// # Errors
+/// As [`load_weights`].
+pub fn load_weights_named<B: Backend, M: Module<B>>(
+    model: M,
+    file: &SafetensorsFile,
+    naming: fn(&str) -> HfTensorName,
+    keep: impl FnMut(&str) -> bool,
+) -> Result<M, HfError> {
+    let mut loader = Loader {
         file,
+        naming,
+        keep,
         path: PathStack::default(),
         error: None,
-        _model: std::marker::PhantomData,
     };
     let model = model.map(&mut loader);
     match loader.error {
