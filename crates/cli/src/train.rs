@@ -186,6 +186,10 @@ pub struct FinetuneArgs {
     /// lora.merge_into: after training, write the base with the adapters merged in here.
     #[arg(long)]
     merge_into: Option<PathBuf>,
+    /// lora.qlora: QLoRA, the base's linear weights stored 4-bit (NF4 with double
+    /// quantisation) and dequantised on use.
+    #[arg(long)]
+    qlora: bool,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -260,6 +264,9 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
             "lora.merge_into={}",
             quote(dir.display().to_string())
         ));
+    }
+    if args.qlora {
+        o.push("lora.qlora=true".into());
     }
     o.extend(t.overrides());
     let recipe = Recipe::load(t.recipe.as_deref(), &o)?;

@@ -246,8 +246,11 @@ mod tests {
         };
         let mut model = lora(base.clone(), &config, burn_names, &device).unwrap();
         assert!(model.config.qlora);
-        // The f32 weight is gone from the base; its 4-bit form is the host reference's.
+        // Both linear weights (not only the target) left the base for their 4-bit form, which
+        // is the host reference's.
+        assert_eq!(model.quantized_paths, ["up.weight", "down.weight"]);
         assert_eq!(model.base.up.weight.val().dims(), [0, 0]);
+        assert_eq!(model.base.down.weight.val().dims(), [0, 0]);
         let w = base.up.weight.val();
         let host = Nf4Matrix::quantize(
             &w.clone().transpose().into_data().into_vec::<f32>().unwrap(),
@@ -264,17 +267,15 @@ mod tests {
         let range: f32 = w.clone().abs().max().into_scalar();
         assert!(err > 0.0 && err < 0.155 * range, "{err} of {range}");
         assert_eq!(model.base_params(), base.num_params());
-        // Base bytes: f32 for `down` and the biases, about 0.13 of f32 for `up`.
-        let up_bytes = model.quantized[0].bytes();
+        // Base bytes: f32 for the biases, about 0.13 of f32 for the weights.
+        let (up_bytes, down_bytes) = (model.quantized[0].bytes(), model.quantized[1].bytes());
         assert!(up_bytes * 6 < 3000 * 4, "{up_bytes}");
-        assert_eq!(
-            model.base_bytes(),
-            (base.num_params() - 3000) * 4 + up_bytes
-        );
-        // The forward is the base's on the dequantised weight (B is zero).
+        assert_eq!(model.base_bytes(), (100 + 3) * 4 + up_bytes + down_bytes);
+        // The forward is the base's on the dequantised weights (B is zero).
         let x = Tensor::<B, 2>::random([5, 30], Distribution::Normal(0.0, 1.0), &device);
         let mut on_deq = base.clone();
         on_deq.up.weight = burn::module::Param::from_tensor(deq.clone());
+        on_deq.down.weight = burn::module::Param::from_tensor(model.quantized[1].dequantize());
         let y0 = on_deq.forward(x.clone());
         assert_eq!(max_diff(model.merged().forward(x.clone()), y0.clone()), 0.0);
         // Adapters learn the difference to a target; only they get gradients.
@@ -303,6 +304,6 @@ mod tests {
         assert!(max_diff(merged.up.weight.val(), deq + d) < 1e-6);
         // Quantising again is a no-op.
         let again = model.quantize_base();
-        assert_eq!(again.quantized.len(), 1);
+        assert_eq!(again.quantized.len(), 2);
     }
 }

@@ -74,9 +74,12 @@ pub struct Lora<B: Backend, M: Module<B>> {
     pub base: M,
     /// One adapter per target, in target order.
     pub adapters: Vec<Adapter<B>>,
-    /// QLoRA: the targets' base weights in NF4, in target order (empty otherwise). The base's
-    /// own parameter for a quantised target is then an empty placeholder.
+    /// QLoRA: the base's 4-bit weights (empty otherwise); the base's own parameter at each
+    /// of `quantized_paths` is an empty placeholder.
     pub quantized: Vec<Nf4Weight<B>>,
+    /// The Burn paths of `quantized`.
+    #[module(skip)]
+    pub quantized_paths: Vec<String>,
     /// The adapted weights.
     #[module(skip)]
     pub targets: Vec<Target>,
@@ -268,6 +271,7 @@ pub fn lora<B: Backend, M: Module<B>>(
         base: base.map(&mut Freeze),
         adapters,
         quantized: Vec::new(),
+        quantized_paths: Vec::new(),
         targets,
         config: LoraConfig {
             qlora: false,
@@ -293,11 +297,11 @@ impl<B: Backend> ModuleMapper<B> for Freeze {
     }
 }
 
-/// Takes the targets' weights out of the base, leaving empty placeholders (QLoRA).
+/// Takes weights out of the base, leaving empty placeholders (QLoRA).
 struct Take<B: Backend> {
     stack: Vec<String>,
-    paths: HashMap<String, usize>,
-    taken: Vec<Option<Tensor<B, 2>>>,
+    paths: std::collections::HashSet<String>,
+    taken: Vec<(String, Tensor<B, 2>)>,
 }
 
 impl<B: Backend> ModuleMapper<B> for Take<B> {
@@ -308,12 +312,15 @@ impl<B: Backend> ModuleMapper<B> for Take<B> {
         self.stack.pop();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let Some(&i) = self.paths.get(&self.stack.join(".")) else {
+        let path = self.stack.join(".");
+        if !self.paths.contains(&path) {
             return param;
-        };
+        }
         let device = param.lazy_device();
         let (id, w, mapper): (ParamId, _, _) = param.consume();
-        self.taken[i] = Some(Tensor::from_primitive(w.into_primitive()));
+        // Rank 2 (checked by the caller): the casts only restate D = 2.
+        self.taken
+            .push((path, Tensor::from_primitive(w.into_primitive())));
         let empty =
             Tensor::<B, D>::from_primitive(Tensor::<B, 2>::zeros([0, 0], &device).into_primitive());
         Param::from_mapped_value(id, empty, mapper)
@@ -331,11 +338,12 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// Replaces the weights at some paths by `f(weight, delta)`, the weight being the dequantised
-/// one where the base holds a QLoRA placeholder.
+/// Replaces the weights at some paths by `f(weight, delta)`, and QLoRA placeholders by their
+/// weights (`weights`) first.
 struct Apply<B: Backend, F> {
     stack: Vec<String>,
-    deltas: HashMap<String, (Tensor<B, 2>, Option<Tensor<B, 2>>)>,
+    deltas: HashMap<String, Tensor<B, 2>>,
+    weights: HashMap<String, Tensor<B, 2>>,
     f: F,
 }
 
@@ -349,12 +357,18 @@ impl<B: Backend, F: FnMut(Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>> ModuleMap
         self.stack.pop();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let Some((delta, weight)) = self.deltas.remove(&self.stack.join(".")) else {
+        let path = self.stack.join(".");
+        let (delta, weight) = (self.deltas.remove(&path), self.weights.remove(&path));
+        if delta.is_none() && weight.is_none() {
             return param;
-        };
+        }
         let (id, w, mapper): (ParamId, _, _) = param.consume();
-        // Targets are rank 2 (checked when they were found): the casts only restate D = 2.
+        // Targets and quantised weights are rank 2: the casts only restate D = 2.
         let w = weight.unwrap_or_else(|| Tensor::<B, 2>::from_primitive(w.into_primitive()));
+        let Some(delta) = delta else {
+            let w = Tensor::<B, D>::from_primitive(w.into_primitive());
+            return Param::from_mapped_value(id, w, mapper);
+        };
         let out = Tensor::<B, D>::from_primitive((self.f)(w, delta).into_primitive());
         Param::from_mapped_value(id, out, mapper)
     }
@@ -366,8 +380,8 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
         self.config.scaling()
     }
 
-    /// Maps each target weight `w` of `base` to `f(w, delta)`; `w` is the dequantised weight
-    /// under QLoRA when `dequantized` (the base holds placeholders), else `base`'s own.
+    /// Maps each target weight `w` of `base` to `f(w, delta)`. When `dequantized`, the base's
+    /// QLoRA placeholders are replaced by their dequantised weights first (targets or not).
     fn apply(
         &self,
         base: M,
@@ -380,32 +394,39 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             .targets
             .iter()
             .zip(&self.adapters)
-            .enumerate()
-            .map(|(i, (t, a))| {
+            .map(|(t, a)| {
                 let d = a.delta(s);
-                let d = if detach { d.detach() } else { d };
-                let w = dequantized
-                    .then(|| self.quantized.get(i).map(Nf4Weight::dequantize))
-                    .flatten();
-                (t.path.clone(), (d, w))
+                (t.path.clone(), if detach { d.detach() } else { d })
             })
             .collect();
+        let weights = match dequantized {
+            true => self
+                .quantized_paths
+                .iter()
+                .zip(&self.quantized)
+                .map(|(p, q)| (p.clone(), q.dequantize()))
+                .collect(),
+            false => HashMap::new(),
+        };
         base.map(&mut Apply {
             stack: Vec::new(),
             deltas,
+            weights,
             f,
         })
     }
 
     /// The base with `W + s Aᵀ Bᵀ` in place of each target, differentiable in the adapters:
     /// the model to run forward. Cheap: untouched parameters are shared, and each merged
-    /// weight costs one `[in, r] x [r, out]` product.
+    /// weight costs one `[in, r] x [r, out]` product (plus, under QLoRA, the dequantisation of
+    /// each 4-bit weight).
     pub fn merged(&self) -> M {
         self.apply(self.base.clone(), false, true, |w, d| w + d)
     }
 
     /// The base with the adapters merged in for good (`W += s (B A)ᵀ`), detached from the
-    /// adapters: what deployment loads.
+    /// adapters: what deployment loads. Under QLoRA, every weight is the dequantised one: the
+    /// model that was trained and evaluated.
     pub fn merge(&self) -> M {
         self.apply(self.base.clone(), true, true, |w, d| w + d)
     }
@@ -426,48 +447,53 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
         self.base.num_params() + quantized
     }
 
-    /// The bytes the frozen base takes: its float parameters, and under QLoRA the quantised
-    /// targets' codes and scales.
+    /// The bytes the frozen base takes: its float parameters, and under QLoRA the 4-bit
+    /// weights' codes and scales.
     pub fn base_bytes(&self) -> usize {
         let float = self.base.num_params() * std::mem::size_of::<B::FloatElem>();
         float + self.quantized.iter().map(Nf4Weight::bytes).sum::<usize>()
     }
 
-    /// The bytes the base's targets would take unquantised.
-    pub fn target_bytes(&self) -> usize {
-        let values: usize = self.targets.iter().map(|t| t.fan_in * t.fan_out).sum();
-        values * std::mem::size_of::<B::FloatElem>()
-    }
-
-    /// QLoRA: stores each target's base weight in NF4 with double quantisation ([`crate::quant`])
-    /// and puts an empty placeholder in the base in its place, so the f32 weight is freed; the
-    /// forward dequantises it on use. A target not initialised yet is initialised first (as the
-    /// base's module would be), one at a time; [`load_base`](Lora::load_base) quantises the
-    /// weights of a file instead. Idempotent.
+    /// QLoRA (Dettmers et al. 2023): stores the base's linear weights in NF4 with double
+    /// quantisation ([`crate::quant`]), as bitsandbytes' `load_in_4bit` does: every `Linear`
+    /// weight except `lm_head` (PEFT's `all-linear`), and every target. Embeddings, norms,
+    /// biases and the output layer stay in float. Each such parameter of the base becomes an
+    /// empty placeholder, so its float weight is freed; the forward dequantises it on use.
+    ///
+    /// A weight not initialised yet is initialised first (as the base's module would be), one
+    /// at a time; [`load_base`](Lora::load_base) quantises the weights of a file instead.
+    /// Idempotent.
     pub fn quantize_base(self) -> Self {
         if self.config.qlora {
             return self;
         }
-        let paths: HashMap<String, usize> = self
-            .targets
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.path.clone(), i))
+        let targets: std::collections::HashSet<&str> =
+            self.targets.iter().map(|t| t.path.as_str()).collect();
+        let paths: std::collections::HashSet<String> = candidates::<B, M>(&self.base, self.naming)
+            .into_iter()
+            .filter(|c| {
+                targets.contains(c.path.as_str())
+                    || (c.is_weight()
+                        && c.dims.len() == 2
+                        && matches(crate::ALL_LINEAR, c.module(), &c.container))
+            })
+            .map(|c| c.path)
             .collect();
         let mut take = Take {
             stack: Vec::new(),
             paths,
-            taken: (0..self.targets.len()).map(|_| None).collect(),
+            taken: Vec::new(),
         };
         let base = self.base.map(&mut take);
-        let quantized = take
+        let (quantized_paths, quantized) = take
             .taken
             .into_iter()
-            .map(|w| Nf4Weight::quantize(w.expect("every target is a parameter of the base")))
-            .collect();
+            .map(|(path, w)| (path, Nf4Weight::quantize(w)))
+            .unzip();
         Lora {
             base,
             quantized,
+            quantized_paths,
             config: LoraConfig {
                 qlora: true,
                 ..self.config
@@ -477,29 +503,26 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
     }
 
     /// Loads the frozen base from a Hugging Face weights file in the model's naming: every
-    /// parameter, except that under QLoRA each target's weight is read, quantised and kept only
-    /// in NF4. Under ZeRO-3 each tensor is sharded as it arrives.
+    /// parameter, except that under QLoRA each 4-bit weight is read, quantised and kept only in
+    /// NF4. Under ZeRO-3 each float tensor is sharded as it arrives.
     ///
     /// # Errors
     /// A tensor missing from the file or of another shape (both shapes named).
     pub fn load_base(self, file: &SafetensorsFile) -> Result<Self, LoraError> {
-        let quantized_paths: std::collections::HashSet<String> = if self.config.qlora {
-            self.targets.iter().map(|t| t.path.clone()).collect()
-        } else {
-            Default::default()
-        };
-        let base = kiln_hf::load_weights_named(self.base, file, self.naming, |path| {
-            !quantized_paths.contains(path)
-        })?;
+        let skip: std::collections::HashSet<&str> =
+            self.quantized_paths.iter().map(String::as_str).collect();
+        let base =
+            kiln_hf::load_weights_named(self.base, file, self.naming, |path| !skip.contains(path))?;
         let mut quantized = Vec::with_capacity(self.quantized.len());
-        for (t, q) in self.targets.iter().zip(self.quantized) {
-            let name = (self.naming)(&t.path);
+        for (path, q) in self.quantized_paths.iter().zip(&self.quantized) {
+            let name = (self.naming)(path);
+            let [fan_in, fan_out] = q.dims;
             // Quantised in nn.Linear's [out, in]: the file's layout, or its transpose for a
             // Conv1D ([in, out], `transposed` false).
             let file_dims = if name.transposed {
-                [t.fan_out, t.fan_in]
+                [fan_out, fan_in]
             } else {
-                [t.fan_in, t.fan_out]
+                [fan_in, fan_out]
             };
             let data = file.float(&name.name, Some(&file_dims))?;
             let values = data.into_vec::<f32>().map_err(|e| LoraError::Mismatch {
@@ -509,11 +532,11 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             let values = if name.transposed {
                 values
             } else {
-                transpose(&values, t.fan_in, t.fan_out)
+                transpose(&values, fan_in, fan_out)
             };
             let device = q.codes.val().device();
             quantized.push(Nf4Weight::upload(
-                &Nf4Matrix::quantize(&values, t.fan_out, t.fan_in),
+                &Nf4Matrix::quantize(&values, fan_out, fan_in),
                 &device,
             ));
         }

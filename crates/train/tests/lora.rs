@@ -95,6 +95,78 @@ fn finetune_under_zero3_x2_equals_one_rank() {
     assert!((v1 - v2).abs() <= 1e-5 * v1, "{v1} vs {v2}");
 }
 
+/// QLoRA through the run: the base's linear weights 4-bit and dequantised on use, ZeRO-3 over 2
+/// ranks equal to 1 rank, losses close to LoRA's on the f32 base but not equal (the base is
+/// quantised), and `kiln export` of the snapshot equal to `--merge-into` bitwise.
+#[test]
+fn qlora_finetune_follows_lora_shards_and_exports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let targets = r#"["q_proj", "v_proj"]"#;
+    let dir = |n: &str| tmp.path().join(n);
+    let lora = common::run(
+        &finetune(&dir("lora"), "tiny-llama", "ddp", targets, &[]),
+        1,
+        false,
+        None,
+    );
+    let merge = format!("lora.merge_into={:?}", dir("merged").display().to_string());
+    let one = common::run(
+        &finetune(
+            &dir("1"),
+            "tiny-llama",
+            "ddp",
+            targets,
+            &["lora.qlora=true", &merge],
+        ),
+        1,
+        false,
+        None,
+    );
+    let two = common::run(
+        &finetune(
+            &dir("2"),
+            "tiny-llama",
+            "zero3",
+            targets,
+            &["lora.qlora=true"],
+        ),
+        2,
+        false,
+        None,
+    );
+    for (x, y) in one.losses.iter().zip(&two.losses) {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "{:?} vs {:?}",
+            one.losses,
+            two.losses
+        );
+    }
+    let (v1, v2) = (one.val_loss.unwrap(), two.val_loss.unwrap());
+    assert!((v1 - v2).abs() <= 1e-5 * v1, "{v1} vs {v2}");
+    assert_ne!(one.losses[0], lora.losses[0], "the base was not quantised");
+    for (q, l) in one.losses.iter().zip(&lora.losses) {
+        assert!(
+            (q - l).abs() <= 0.02 * l,
+            "QLoRA {:?} vs LoRA {:?}",
+            one.losses,
+            lora.losses
+        );
+    }
+    let exported = dir("exported");
+    kiln_train::export(one.snapshot.as_ref().unwrap(), &exported).unwrap();
+    let read = |d: &Path| {
+        let file = kiln_hf::SafetensorsFile::open(d.join(kiln_hf::WEIGHTS_FILE), "w").unwrap();
+        let mut names = file.names();
+        names.sort();
+        names
+            .into_iter()
+            .map(|n| (n.clone(), file.float(&n, None).unwrap()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(read(&exported), read(&dir("merged")));
+}
+
 /// The adapter directory loads onto the base (as PEFT would) and gives the merged model's
 /// logits; the merged directory is a complete Hugging Face model.
 #[test]
