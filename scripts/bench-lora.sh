@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# LoRA fine-tuning against full fine-tuning of the same base, one rank, one sitting: a Llama of
-# LAYERS blocks x DIM (the base dominates), pretrained for a few steps here so the runs start
-# from a real checkpoint, then fine-tuned STEPS steps on the same data both ways. Prints
-# trainable parameters, optimizer bytes, peak memory per step, seconds per step, and the
-# validation loss each reaches.
+# LoRA and QLoRA fine-tuning against full fine-tuning of the same base, one rank, one sitting: a
+# Llama of LAYERS blocks x DIM (the base dominates), pretrained for a few steps here so the runs
+# start from a real checkpoint, then fine-tuned STEPS steps on the same data three ways. Prints
+# trainable parameters, optimizer bytes, peak memory per step, seconds per step, the validation
+# loss each reaches, and QLoRA's base bytes against the f32 base.
 #
 #     bash scripts/bench-lora.sh                       # 8 layers x 256, r=8 on q,k,v,o
 #     R=16 TARGETS=all-linear bash scripts/bench-lora.sh
@@ -63,6 +63,10 @@ read -r f_params f_opt f_peak f_t f_val < <(summarise "$out/full" "$out/base/mod
   --lora-r "$R" --targets "$TARGETS" --out "$out/lora" --overwrite >"$out/lora.log" 2>&1 ||
   { cat "$out/lora.log" >&2; exit 1; }
 read -r l_params l_opt l_peak l_t l_val < <(summarise "$out/lora" "$out/lora/adapter/adapter_model.safetensors")
+"$KILN" finetune --base "$out/base" "${common[@]}" --steps "$STEPS" --set train.lr=3e-3 \
+  --lora-r "$R" --targets "$TARGETS" --qlora --out "$out/qlora" --overwrite >"$out/qlora.log" 2>&1 ||
+  { cat "$out/qlora.log" >&2; exit 1; }
+read -r q_params q_opt q_peak q_t q_val < <(summarise "$out/qlora" "$out/qlora/adapter/adapter_model.safetensors")
 base_val=$(python3 -c "import json;print([json.loads(l)['val_loss'] for l in open('$out/lora/metrics.jsonl') if '\"val_loss\"' in l][0])")
 
 printf '%-22s %14s %16s %14s %10s %10s\n' run "trainable" "optimizer MiB" "peak MiB" "s/step" "val loss"
@@ -70,6 +74,11 @@ printf '%-22s %14d %16.2f %14.1f %10.3f %10.4f\n' "full fine-tuning" "$f_params"
   "$(echo "$f_opt/1048576" | bc -l)" "$(echo "$f_peak/1048576" | bc -l)" "$f_t" "$f_val"
 printf '%-22s %14d %16.2f %14.1f %10.3f %10.4f\n' "LoRA r=$R" "$l_params" \
   "$(echo "$l_opt/1048576" | bc -l)" "$(echo "$l_peak/1048576" | bc -l)" "$l_t" "$l_val"
+printf '%-22s %14d %16.2f %14.1f %10.3f %10.4f\n' "QLoRA r=$R" "$q_params" \
+  "$(echo "$q_opt/1048576" | bc -l)" "$(echo "$q_peak/1048576" | bc -l)" "$q_t" "$q_val"
 printf 'LoRA / full: trainable %.4f, optimizer %.4f, peak %.2f, step time %.2f; validation loss of the base %.4f\n' \
   "$(echo "$l_params/$f_params" | bc -l)" "$(echo "$l_opt/$f_opt" | bc -l)" \
   "$(echo "$l_peak/$f_peak" | bc -l)" "$(echo "$l_t/$f_t" | bc -l)" "$base_val"
+printf 'QLoRA / full: peak %.2f, step time %.2f; QLoRA - LoRA validation loss %+.4f\n' \
+  "$(echo "$q_peak/$f_peak" | bc -l)" "$(echo "$q_t/$f_t" | bc -l)" "$(echo "$q_val-$l_val" | bc -l)"
+grep -o 'QLoRA: .*' "$out/qlora.log"

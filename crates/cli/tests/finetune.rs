@@ -1,4 +1,4 @@
-//! `kiln finetune` and `kiln verify-lora` as a user runs them: a short fine-tune under
+//! `kiln finetune` and `kiln verify-lora` as a user runs them: a short QLoRA fine-tune under
 //! `kiln launch` (two processes, ZeRO-3) writing PEFT adapters and a merged model, resumed;
 //! PEFT's numbers on the fixtures; bad input named.
 
@@ -72,6 +72,7 @@ fn finetune_under_launch_writes_peft_adapters_and_a_merged_model() {
             "2",
             "--strategy",
             "zero3",
+            "--qlora",
             "--merge-into",
             &merged.display().to_string(),
         ],
@@ -81,6 +82,8 @@ fn finetune_under_launch_writes_peft_adapters_and_a_merged_model() {
     for line in [
         "kiln finetune: llama",
         "LoRA r=2 alpha=4 on 8 weights",
+        // tiny-llama: q,k,v,o, gate, up, down in each of 2 layers (lm_head stays f32).
+        "QLoRA: 14 linear weights in NF4, the base takes ",
         "step 0: validation loss",
         "validation loss ",
         "(before) -> ",

@@ -14,6 +14,8 @@
 //!   optimizers, kiln's sharding (`kiln_shard::shard`: the frozen base sharded under ZeRO-3, the
 //!   adapters replicated or sharded like any parameter) and `kiln_shard::step` take it as it is.
 //! - [`load_peft`] / [`Lora::save_peft`]: PEFT's files; [`Lora::merge`] / [`Lora::unmerge`].
+//! - QLoRA ([`LoraConfig::qlora`], [`Lora::quantize_base`], [`Lora::load_base`]): the base's
+//!   linear weights in NF4 with double quantisation ([`quant`]), dequantised on use.
 //!
 //! # The key decision: adapters as merged weights
 //! PEFT replaces each targeted `nn.Linear` with a layer computing `base(x) + s B A x`; kiln cannot

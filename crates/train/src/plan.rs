@@ -28,6 +28,11 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
     /// A line for the run's start, when only part of the model trains.
     fn describe(&self, model: &Self::Model) -> Option<String>;
 
+    /// The model's parameters, frozen and 4-bit ones included.
+    fn params(&self, model: &Self::Model) -> usize {
+        burn::module::Module::num_params(model)
+    }
+
     /// Writes what the run leaves besides snapshots (every rank calls it: reading a sharded
     /// parameter is collective; rank 0 writes). Returns what was written, and where.
     fn finish(
@@ -132,6 +137,10 @@ where
         Ok(model.load_base(&file)?)
     }
 
+    fn params(&self, model: &Self::Model) -> usize {
+        model.trainable_params() + model.base_params()
+    }
+
     fn describe(&self, model: &Self::Model) -> Option<String> {
         let (trainable, base) = (model.trainable_params(), model.base_params());
         let mut line = format!(
@@ -146,7 +155,8 @@ where
         if model.config.qlora {
             let f32_base = base * std::mem::size_of::<f32>();
             line += &format!(
-                "; QLoRA: targets in NF4, the base takes {} (f32: {}, {:.3}x)",
+                "; QLoRA: {} linear weights in NF4, the base takes {} (f32: {}, {:.3}x)",
+                model.quantized.len(),
                 crate::report::bytes(model.base_bytes()),
                 crate::report::bytes(f32_base),
                 model.base_bytes() as f64 / f32_base as f64,

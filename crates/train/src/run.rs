@@ -453,7 +453,7 @@ where
     let last_step = options.stop_after.map_or(t.steps, |s| s.min(t.steps));
     report.report(Event::Started(&RunInfo {
         model_kind: spec.kind().into(),
-        params: model.num_params(),
+        params: plan.params(&model),
         trains: plan.describe(&model),
         strategy: strategy.to_string(),
         remat: t.remat.clone(),

@@ -144,6 +144,18 @@ fn qlora_finetune_follows_lora_shards_and_exports() {
     }
     let (v1, v2) = (one.val_loss.unwrap(), two.val_loss.unwrap());
     assert!((v1 - v2).abs() <= 1e-5 * v1, "{v1} vs {v2}");
+    // Resuming quantises the base again, alike: the losses are those of the whole run.
+    let r = finetune(
+        &dir("3"),
+        "tiny-llama",
+        "ddp",
+        targets,
+        &["lora.qlora=true"],
+    );
+    let first = common::run(&r, 1, false, Some(3));
+    let rest = common::run(&r, 1, true, None);
+    let resumed: Vec<f64> = first.losses.iter().chain(&rest.losses).copied().collect();
+    assert_eq!(resumed, one.losses);
     assert_ne!(one.losses[0], lora.losses[0], "the base was not quantised");
     for (q, l) in one.losses.iter().zip(&lora.losses) {
         assert!(
