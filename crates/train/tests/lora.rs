@@ -9,7 +9,7 @@ use kiln::Train;
 use kiln_gpt2::Gpt2;
 use kiln_hf::{CausalLm, HfNaming, Pretrained};
 use kiln_train::snapshot::Snapshot;
-use kiln_train::{Recipe, RunOptions, train_threads};
+use kiln_train::{Recipe, RunOptions, Summary, train_threads};
 use std::path::{Path, PathBuf};
 
 fn base(name: &str) -> PathBuf {
@@ -39,6 +39,31 @@ fn error_of(r: &Recipe) -> String {
         ..Default::default()
     };
     common::chain(train_threads::<Flex>(r, 1, options).unwrap_err())
+}
+
+/// Two runs' training and validation losses agree within 1e-5 (relative).
+fn assert_same_run(one: &Summary, two: &Summary) {
+    for (x, y) in one.losses.iter().zip(&two.losses) {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "{:?} vs {:?}",
+            one.losses,
+            two.losses
+        );
+    }
+    let (v1, v2) = (one.val_loss.unwrap(), two.val_loss.unwrap());
+    assert!((v1 - v2).abs() <= 1e-5 * v1, "{v1} vs {v2}");
+}
+
+/// Every tensor of a Hugging Face directory's weights, by name.
+fn weights(dir: &Path) -> Vec<(String, burn::tensor::TensorData)> {
+    let file = kiln_hf::SafetensorsFile::open(dir.join(kiln_hf::WEIGHTS_FILE), "w").unwrap();
+    let mut names = file.names();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| (n.clone(), file.float(&n, None).unwrap()))
+        .collect()
 }
 
 #[test]
@@ -83,16 +108,7 @@ fn finetune_under_zero3_x2_equals_one_rank() {
         false,
         None,
     );
-    for (x, y) in one.losses.iter().zip(&two.losses) {
-        assert!(
-            (x - y).abs() <= 1e-5 * x.abs(),
-            "{:?} vs {:?}",
-            one.losses,
-            two.losses
-        );
-    }
-    let (v1, v2) = (one.val_loss.unwrap(), two.val_loss.unwrap());
-    assert!((v1 - v2).abs() <= 1e-5 * v1, "{v1} vs {v2}");
+    assert_same_run(&one, &two);
 }
 
 /// QLoRA through the run: the base's linear weights 4-bit and dequantised on use, ZeRO-3 over 2
@@ -134,16 +150,7 @@ fn qlora_finetune_follows_lora_shards_and_exports() {
         false,
         None,
     );
-    for (x, y) in one.losses.iter().zip(&two.losses) {
-        assert!(
-            (x - y).abs() <= 1e-5 * x.abs(),
-            "{:?} vs {:?}",
-            one.losses,
-            two.losses
-        );
-    }
-    let (v1, v2) = (one.val_loss.unwrap(), two.val_loss.unwrap());
-    assert!((v1 - v2).abs() <= 1e-5 * v1, "{v1} vs {v2}");
+    assert_same_run(&one, &two);
     // Resuming quantises the base again, alike: the losses are those of the whole run.
     let r = finetune(
         &dir("3"),
@@ -167,16 +174,7 @@ fn qlora_finetune_follows_lora_shards_and_exports() {
     }
     let exported = dir("exported");
     kiln_train::export(one.snapshot.as_ref().unwrap(), &exported).unwrap();
-    let read = |d: &Path| {
-        let file = kiln_hf::SafetensorsFile::open(d.join(kiln_hf::WEIGHTS_FILE), "w").unwrap();
-        let mut names = file.names();
-        names.sort();
-        names
-            .into_iter()
-            .map(|n| (n.clone(), file.float(&n, None).unwrap()))
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(read(&exported), read(&dir("merged")));
+    assert_eq!(weights(&exported), weights(&dir("merged")));
 }
 
 /// The adapter directory loads onto the base (as PEFT would) and gives the merged model's
@@ -217,16 +215,7 @@ fn written_adapters_and_merged_model_agree() {
     // `kiln export` of the fine-tuning snapshot writes the same merged model.
     let exported = tmp.path().join("exported");
     kiln_train::export(summary.snapshot.as_ref().unwrap(), &exported).unwrap();
-    let read = |dir: &Path| {
-        let file = kiln_hf::SafetensorsFile::open(dir.join(kiln_hf::WEIGHTS_FILE), "w").unwrap();
-        let mut names = file.names();
-        names.sort();
-        names
-            .into_iter()
-            .map(|n| (n.clone(), file.float(&n, None).unwrap()))
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(read(&exported), read(&merged_dir));
+    assert_eq!(weights(&exported), weights(&merged_dir));
 }
 
 #[test]
