@@ -268,6 +268,14 @@ impl<B: Backend> Nf4Weight<B> {
     /// The weight in Burn's layout `[in, out]`, in the default float dtype: two lookups and two
     /// multiplies, nothing kept (a constant for autodiff).
     pub fn dequantize(&self) -> Tensor<B, 2> {
+        // Under a remat budget the weight is held, not tracked: fourteen recorded ops per
+        // weight made the pool thrash (the Llama benchmark under a 100 MiB budget went from
+        // 4.7 s a step with LoRA to none finished in 150 s), and the weight plays the part
+        // the f32 base's weight plays under LoRA, which is never recorded either.
+        kiln_shard::remat::not_recording(|| self.dequantize_now())
+    }
+
+    fn dequantize_now(&self) -> Tensor<B, 2> {
         let [fan_in, fan_out] = self.dims;
         let n = fan_in * fan_out;
         let codes = self.codes.val();

@@ -374,6 +374,22 @@ pub fn recording<R>(pool: &Arc<Pool>, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f` with this thread's ops not recorded (their results are plain tensors, kept as
+/// they are, like inputs and parameters): for values cheaper to hold than to track, such as
+/// weights dequantised from a 4-bit base, whose chains of lookups and layout ops would
+/// otherwise fill the pool with cells for one weight each.
+pub fn not_recording<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Arc<Pool>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            RECORDING.with(|r| *r.borrow_mut() = self.0.take());
+        }
+    }
+    let before = RECORDING.with(|r| r.borrow_mut().take());
+    let _restore = Restore(before);
+    f()
+}
+
 /// How an op's cost grows, for the eviction policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Cost {

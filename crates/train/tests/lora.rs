@@ -302,4 +302,12 @@ fn finetune_composes_with_remat_and_precision() {
     let (a, b) = (off.val_loss.unwrap(), bf16.val_loss.unwrap());
     assert!((a - b).abs() <= 0.02 * a, "f32 {a} vs bf16 {b}");
     assert_ne!(bf16.losses, off.losses, "bf16 computed in f32?");
+    // QLoRA too: exact under a remat budget, within 2% in bf16.
+    let q = "lora.qlora=true";
+    let q_off = run("q-off", &[q]);
+    let q_remat = run("q-remat", &[q, r#"train.remat="budget=64KiB""#]);
+    assert_eq!(q_remat.losses, q_off.losses);
+    let q_bf16 = run("q-bf16", &[q, r#"train.precision="bf16""#]);
+    let (a, b) = (q_off.val_loss.unwrap(), q_bf16.val_loss.unwrap());
+    assert!((a - b).abs() <= 0.02 * a, "f32 {a} vs bf16 {b}");
 }
