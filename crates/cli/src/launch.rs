@@ -187,6 +187,40 @@ fn nccl_link_dir() -> Option<std::path::PathBuf> {
     Some(dir)
 }
 
+/// The job's secret, which every rank presents to the store and its peers: `KILN_JOB_TOKEN`
+/// when set (on several nodes it must be, the same on each: a node's launcher cannot tell the
+/// others), else, on one node, 128 fresh random bits.
+fn job_token(nnodes: usize) -> Option<String> {
+    if let Some(t) = std::env::var("KILN_JOB_TOKEN")
+        .ok()
+        .filter(|t| !t.trim().is_empty())
+    {
+        return Some(t);
+    }
+    if nnodes > 1 {
+        eprintln!(
+            "kiln launch: KILN_JOB_TOKEN is not set, so the rendezvous store and the ranks admit \
+             any connection that reaches them; export the same secret on every node (e.g. \
+             KILN_JOB_TOKEN=$(openssl rand -hex 16)) to admit only this job"
+        );
+        return None;
+    }
+    let mut bytes = [0u8; 16];
+    let random = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+    if random.is_err() {
+        // No /dev/urandom: the clock and the process id, still unknown to other jobs.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let seed = format!("{now}-{}", std::process::id());
+        let h = kiln_comm::hash::fnv1a(seed.as_bytes());
+        bytes[..8].copy_from_slice(&h.to_le_bytes());
+        bytes[8..].copy_from_slice(&kiln_comm::hash::fnv1a(&h.to_le_bytes()).to_le_bytes());
+    }
+    Some(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Runs the job's local ranks; returns the exit code for the launcher.
 pub fn launch(args: &LaunchArgs) -> Result<i32> {
     if args.nproc_per_node == 0 {
@@ -212,6 +246,7 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
         p => p,
     };
     let world = args.nproc_per_node * args.nnodes;
+    let token = job_token(args.nnodes);
     let (program, program_args) = args.command.split_first().expect("clap requires a command");
     let resolved = resolve_program(program)?;
     let nccl_dir = nccl_link_dir();
@@ -250,6 +285,9 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
             .stderr(Stdio::piped())
             // Own process group: stopping a rank stops what it started too.
             .process_group(0);
+        if let Some(token) = &token {
+            cmd.env("KILN_JOB_TOKEN", token);
+        }
         if let Some(dir) = &nccl_dir {
             let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
             cmd.env("LD_LIBRARY_PATH", format!("{}:{old}", dir.display()));

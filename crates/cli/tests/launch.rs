@@ -99,6 +99,7 @@ fn two_nodes_on_loopback_form_one_job() {
     let port = free_port().to_string();
     let node = |node_rank: &str| {
         Command::new(KILN)
+            .env("KILN_JOB_TOKEN", "our-job")
             .args([
                 "launch",
                 "--nproc-per-node",
@@ -120,6 +121,39 @@ fn two_nodes_on_loopback_form_one_job() {
     assert!(a.status.success(), "{}", text(&a));
     assert!(b.status.success(), "{}", text(&b));
     assert!(text(&b).contains("[rank 3] rank 3 of 4"), "{}", text(&b));
+}
+
+/// A node started with another job's token is refused by the store (and the refusal logged
+/// there); the job's own node gives up after its timeout; both launchers fail.
+#[test]
+fn a_node_with_another_jobs_token_is_refused() {
+    let port = free_port().to_string();
+    let node = |node_rank: &str, token: &str| {
+        Command::new(KILN)
+            .env("KILN_JOB_TOKEN", token)
+            .env("KILN_COMM_TIMEOUT", "4")
+            .args(["launch", "--nproc-per-node", "1", "--nnodes", "2"])
+            .args(["--node-rank", node_rank, "--master-addr", "127.0.0.1"])
+            .args(["--master-port", &port, "--", KILN, "comm-check"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let ours = node("0", "our-job");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let theirs = node("1", "another-job");
+    let (a, b) = (
+        ours.wait_with_output().unwrap(),
+        theirs.wait_with_output().unwrap(),
+    );
+    assert!(!a.status.success() && !b.status.success());
+    let (a, b) = (text(&a), text(&b));
+    assert!(
+        b.contains("the rendezvous store refused this process: it presented another job's token"),
+        "{b}"
+    );
+    assert!(a.contains("refused a connection from 127.0.0.1:"), "{a}");
 }
 
 #[test]

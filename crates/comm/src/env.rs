@@ -33,6 +33,12 @@ pub struct LaunchEnv {
     pub master_port: u16,
     /// Which variables these came from.
     pub source: EnvSource,
+    /// The job's secret (`KILN_JOB_TOKEN`, which `kiln launch` sets): the rendezvous store and
+    /// the peers refuse connections that do not present it. `None` admits any.
+    pub job_token: Option<String>,
+    /// Where rank 0's store listens (`KILN_STORE_BIND`, e.g. `0.0.0.0` for every interface);
+    /// by default on `MASTER_ADDR`'s address only.
+    pub store_bind: Option<String>,
 }
 
 /// The rendezvous port when a launcher gives none (torchrun's default).
@@ -86,7 +92,12 @@ impl LaunchEnv {
                     .into(),
             ));
         };
-        env.validate()
+        LaunchEnv {
+            job_token: get("KILN_JOB_TOKEN"),
+            store_bind: get("KILN_STORE_BIND"),
+            ..env
+        }
+        .validate()
     }
 
     fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
@@ -113,6 +124,8 @@ impl LaunchEnv {
             master_addr: get("MASTER_ADDR").expect("checked above"),
             master_port: port(get, "MASTER_PORT")?.expect("checked above"),
             source: EnvSource::Torchrun,
+            job_token: None,
+            store_bind: None,
         })
     }
 
@@ -160,6 +173,8 @@ impl LaunchEnv {
             master_addr,
             master_port: port(get, "MASTER_PORT")?.unwrap_or(DEFAULT_MASTER_PORT),
             source: EnvSource::Slurm,
+            job_token: None,
+            store_bind: None,
         })
     }
 
@@ -188,6 +203,8 @@ impl LaunchEnv {
             master_addr,
             master_port: port(get, "MASTER_PORT")?.unwrap_or(DEFAULT_MASTER_PORT),
             source: EnvSource::OpenMpi,
+            job_token: None,
+            store_bind: None,
         })
     }
 
@@ -214,6 +231,60 @@ impl LaunchEnv {
             )));
         }
         Ok(self)
+    }
+
+    /// The job's rendezvous: rank 0 hosts the store (on `KILN_STORE_BIND`, else on
+    /// `MASTER_ADDR`'s address only), and every rank connects to it, presenting the job token.
+    ///
+    /// # Errors
+    /// An address that does not resolve or is not this host's, a port in use, a store that
+    /// does not answer or refuses the token. A loopback `MASTER_ADDR` for a job on several
+    /// nodes is warned about (right only when every node is this host).
+    pub fn rendezvous(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Result<(Option<crate::store::StoreServer>, crate::store::StoreClient)> {
+        let server = if self.rank == 0 {
+            let bind = self.store_bind_addr()?;
+            let token = self.job_token.clone();
+            Some(crate::store::StoreServer::bind_with_token(bind, token)?)
+        } else {
+            None
+        };
+        let client = crate::store::StoreClient::connect_with_token(
+            &self.store_addr(),
+            timeout,
+            self.job_token.as_deref(),
+        )?;
+        Ok((server, client))
+    }
+
+    /// Where rank 0's store listens.
+    fn store_bind_addr(&self) -> Result<std::net::SocketAddr> {
+        use std::net::ToSocketAddrs;
+        let (host, what) = match &self.store_bind {
+            Some(h) => (h.as_str(), "KILN_STORE_BIND"),
+            None => (self.master_addr.as_str(), "MASTER_ADDR"),
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let ip = (host, self.master_port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .map(|a| a.ip())
+            .ok_or_else(|| CommError::Config(format!("{what}={host:?} does not resolve")))?;
+        let nodes = self.world_size.div_ceil(self.local_world_size);
+        if self.store_bind.is_none() && ip.is_loopback() && nodes > 1 {
+            // Right only when every "node" is this host (a test); said, not refused.
+            eprintln!(
+                "kiln: MASTER_ADDR={} is {ip}, a loopback address, but the job spans {nodes} \
+                 nodes: nodes on other hosts cannot reach rank 0's store. Give MASTER_ADDR as \
+                 this host's network address (or KILN_STORE_BIND=0.0.0.0 to listen on every \
+                 interface)",
+                self.master_addr
+            );
+        }
+        Ok((ip, self.master_port).into())
     }
 
     /// `host:port` of the rendezvous store.
@@ -420,5 +491,35 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("set MASTER_ADDR"), "{err}");
+    }
+
+    #[test]
+    fn the_store_listens_where_told_and_takes_the_job_token() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string();
+        let job = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("KILN_JOB_TOKEN", "tok"),
+        ];
+        let e = env(&job).unwrap();
+        assert_eq!(e.job_token.as_deref(), Some("tok"));
+        // The store listens on MASTER_ADDR's address only, and asks for the token.
+        let (server, client) = e.rendezvous(std::time::Duration::from_secs(5)).unwrap();
+        let server = server.unwrap();
+        assert!(server.local_addr().ip().is_loopback());
+        assert_eq!(client.token(), Some("tok"));
+        let stranger = crate::store::StoreClient::connect(
+            &server.local_addr().to_string(),
+            std::time::Duration::from_secs(5),
+        );
+        assert!(stranger.is_err());
     }
 }

@@ -47,7 +47,6 @@ use cudarc::nccl::sys as ns;
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, c_int, c_void};
-use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -543,13 +542,8 @@ impl NcclGroup {
         let stream = ctx
             .new_stream()
             .map_err(|e| nccl_err("creating a stream", e))?;
-        let server = if env.rank == 0 {
-            let bind: SocketAddr = (IpAddr::from([0, 0, 0, 0]), env.master_port).into();
-            Some(Arc::new(StoreServer::bind(bind)?))
-        } else {
-            None
-        };
-        let store = Arc::new(StoreClient::connect(&env.store_addr(), options.timeout)?);
+        let (server, store) = env.rendezvous(options.timeout)?;
+        let (server, store) = (server.map(Arc::new), Arc::new(store));
         let members: Vec<usize> = (0..env.world_size).collect();
         let key = format!("kiln/nccl/{}/id", options.name);
         let comm = Self::init_comm(

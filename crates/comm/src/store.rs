@@ -5,8 +5,14 @@
 //! [`get`](StoreClient::get) (waits until the key exists), [`add`](StoreClient::add)
 //! (atomic counter), [`check`](StoreClient::check) and [`wait`](StoreClient::wait).
 //!
-//! Wire format (little endian): request `op:u8 key_len:u32 key val_len:u64 val timeout_ms:u64`,
-//! response `status:u8 len:u64 bytes` (status 0 ok, 1 timed out, 2 error text).
+//! Wire format (little endian): first `"KLNA" token_len:u32 token`, answered `status:u8 len:u64
+//! bytes`; then requests `op:u8 key_len:u32 key val_len:u64 val timeout_ms:u64`, each answered
+//! `status:u8 len:u64 bytes` (status 0 ok, 1 timed out, 2 error text).
+//!
+//! The job token: a store given one ([`StoreServer::bind_with_token`], from `KILN_JOB_TOKEN`,
+//! which `kiln launch` sets) serves only connections that present it, and logs the others. It
+//! is a shared secret sent as it is, not encryption: it keeps other jobs, stale processes and
+//! strangers on the network out of the job, not an eavesdropper on the job's own network.
 
 use crate::error::{CommError, Result};
 use std::collections::HashMap;
@@ -26,7 +32,12 @@ const ST_OK: u8 = 0;
 const ST_TIMEOUT: u8 = 1;
 const ST_ERROR: u8 = 2;
 
-/// Keys and values are bounded so that a stray client cannot make the server allocate wildly.
+/// What a connection says first: the job token follows.
+const AUTH_MAGIC: [u8; 4] = *b"KLNA";
+
+/// Keys, values and tokens are bounded so that a stray client cannot make the server allocate
+/// wildly.
+const MAX_TOKEN: usize = 1 << 10;
 const MAX_KEY: usize = 4 << 10;
 const MAX_VALUE: usize = 64 << 20;
 
@@ -50,6 +61,20 @@ impl StoreServer {
     /// # Errors
     /// [`CommError::Store`] if the address cannot be bound, e.g. the port is in use.
     pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<StoreServer> {
+        Self::bind_with_token(addr, None)
+    }
+
+    /// [`bind`](Self::bind) for a job with a token: connections that do not present `token`
+    /// are refused, and each refusal is logged on stderr with the peer's address. `None`
+    /// admits any connection.
+    ///
+    /// # Errors
+    /// As [`bind`](Self::bind).
+    pub fn bind_with_token(
+        addr: impl ToSocketAddrs + std::fmt::Debug,
+        token: Option<String>,
+    ) -> Result<StoreServer> {
+        let token: Option<Arc<[u8]>> = token.map(|t| t.into_bytes().into());
         let shown = format!("{addr:?}").trim_matches('"').to_string();
         let listener = TcpListener::bind(&addr).map_err(|e| CommError::Store {
             addr: shown.clone(),
@@ -76,10 +101,10 @@ impl StoreServer {
                         break;
                     }
                     let Ok(conn) = conn else { continue };
-                    let (table, stop) = (table2.clone(), stop2.clone());
+                    let (table, stop, token) = (table2.clone(), stop2.clone(), token.clone());
                     let _ = std::thread::Builder::new()
                         .name("kiln-store-conn".into())
-                        .spawn(move || serve(conn, &table, &stop));
+                        .spawn(move || serve(conn, &table, &stop, token.as_deref()));
                 }
             })
             .map_err(|e| CommError::Io {
@@ -126,13 +151,84 @@ fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
-fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool) {
+/// Whether `a` equals `b`, in time independent of where they differ.
+pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// Reads a connection's opening `"KLNA" len token` and checks the token against `want`
+/// (`None`: any). The error says why the connection is refused.
+pub(crate) fn check_token(
+    r: &mut impl Read,
+    want: Option<&[u8]>,
+) -> std::result::Result<(), String> {
+    let mut magic = [0u8; 4];
+    r.read_exact(&mut magic)
+        .map_err(|e| format!("no job token ({e})"))?;
+    if magic != AUTH_MAGIC {
+        return Err("not a kiln process (no job token)".into());
+    }
+    let len = read_u32(r).map_err(|e| format!("no job token ({e})"))? as usize;
+    if len > MAX_TOKEN {
+        return Err("job token too long".into());
+    }
+    let token = read_exact_vec(r, len).map_err(|e| format!("no job token ({e})"))?;
+    match want {
+        Some(want) if !same_secret(&token, want) => Err(if token.is_empty() {
+            "it presented no job token (KILN_JOB_TOKEN unset?)".into()
+        } else {
+            "it presented another job's token (KILN_JOB_TOKEN differs)".into()
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The opening `"KLNA" len token` of a connection.
+pub(crate) fn token_frame(token: Option<&str>) -> Vec<u8> {
+    let token = token.unwrap_or("").as_bytes();
+    let mut frame = Vec::with_capacity(8 + token.len());
+    frame.extend_from_slice(&AUTH_MAGIC);
+    frame.extend_from_slice(&(token.len() as u32).to_le_bytes());
+    frame.extend_from_slice(token);
+    frame
+}
+
+fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool, token: Option<&[u8]>) {
     let _ = conn.set_nodelay(true);
+    let peer = conn
+        .peer_addr()
+        .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
     let Ok(read_half) = conn.try_clone() else {
         return;
     };
     let mut r = BufReader::new(read_half);
     let mut w = BufWriter::new(conn);
+    let answer = |w: &mut BufWriter<TcpStream>, status: u8, body: &[u8]| {
+        w.write_all(&[status])?;
+        w.write_all(&(body.len() as u64).to_le_bytes())?;
+        w.write_all(body)?;
+        w.flush()
+    };
+    // A connection that never says anything keeps only its own thread.
+    let _ = w.get_ref().set_read_timeout(Some(Duration::from_secs(60)));
+    match check_token(&mut r, token) {
+        Ok(()) => {
+            if answer(&mut w, ST_OK, &[]).is_err() {
+                return;
+            }
+        }
+        Err(why) => {
+            eprintln!("kiln: the rendezvous store refused a connection from {peer}: {why}");
+            let _ = answer(
+                &mut w,
+                ST_ERROR,
+                format!("the rendezvous store refused this process: {why}").as_bytes(),
+            );
+            let _ = w.get_ref().shutdown(Shutdown::Both);
+            return;
+        }
+    }
+    let _ = w.get_ref().set_read_timeout(None);
     let invalid = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
     let mut handle = || -> std::io::Result<()> {
         let mut op = [0u8; 1];
@@ -219,6 +315,7 @@ pub struct StoreClient {
     addr: String,
     conn: Mutex<TcpStream>,
     timeout: Duration,
+    token: Option<String>,
 }
 
 impl StoreClient {
@@ -228,6 +325,19 @@ impl StoreClient {
     /// # Errors
     /// [`CommError::Store`] if the address does not resolve or nothing answers in time.
     pub fn connect(addr: &str, timeout: Duration) -> Result<StoreClient> {
+        Self::connect_with_token(addr, timeout, None)
+    }
+
+    /// [`connect`](Self::connect), presenting the job token `token` (which the group's peers
+    /// are then given too: [`token`](Self::token)).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect); [`CommError::Store`] when the store refuses the token.
+    pub fn connect_with_token(
+        addr: &str,
+        timeout: Duration,
+        token: Option<&str>,
+    ) -> Result<StoreClient> {
         let deadline = Instant::now() + timeout;
         let store_err = |message: String| CommError::Store {
             addr: addr.to_string(),
@@ -241,12 +351,26 @@ impl StoreClient {
                 .collect();
             for target in &targets {
                 match TcpStream::connect_timeout(target, Duration::from_secs(2)) {
-                    Ok(conn) => {
+                    Ok(mut conn) => {
                         let _ = conn.set_nodelay(true);
+                        let io = |e: std::io::Error| {
+                            store_err(format!("lost the connection to the store: {e}"))
+                        };
+                        conn.write_all(&token_frame(token)).map_err(io)?;
+                        conn.set_read_timeout(Some(timeout.max(Duration::from_secs(5))))
+                            .map_err(io)?;
+                        let mut status = [0u8; 1];
+                        conn.read_exact(&mut status).map_err(io)?;
+                        let len = (read_u64(&mut conn).map_err(io)? as usize).min(MAX_KEY);
+                        let body = read_exact_vec(&mut conn, len).map_err(io)?;
+                        if status[0] != ST_OK {
+                            return Err(store_err(String::from_utf8_lossy(&body).into_owned()));
+                        }
                         return Ok(StoreClient {
                             addr: addr.to_string(),
                             conn: Mutex::new(conn),
                             timeout,
+                            token: token.map(str::to_string),
                         });
                     }
                     Err(e) => last = e.to_string(),
@@ -265,6 +389,11 @@ impl StoreClient {
     /// The address this client talks to.
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// The job token this client presented, which its group's peers present to each other.
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_deref()
     }
 
     /// The local address of the connection: the interface through which this host reaches
@@ -400,5 +529,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("could not reach"), "{err}");
+    }
+
+    #[test]
+    fn a_store_with_a_job_token_admits_only_its_job() {
+        let server = StoreServer::bind_with_token("127.0.0.1:0", Some("s3cret".into())).unwrap();
+        let addr = server.local_addr().to_string();
+        let t = Duration::from_secs(5);
+        let ok = StoreClient::connect_with_token(&addr, t, Some("s3cret")).unwrap();
+        ok.set("k", b"v").unwrap();
+        assert_eq!(ok.token(), Some("s3cret"));
+        let err = StoreClient::connect_with_token(&addr, t, Some("other"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("refused this process"), "{err}");
+        assert!(err.contains("another job's token"), "{err}");
+        let err = StoreClient::connect(&addr, t).unwrap_err().to_string();
+        assert!(err.contains("presented no job token"), "{err}");
+        // Something that is not kiln at all is refused too, and the store keeps serving.
+        let mut stray = TcpStream::connect(&addr).unwrap();
+        stray.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let mut reply = Vec::new();
+        let _ = stray.read_to_end(&mut reply);
+        assert_eq!(ok.get("k").unwrap(), b"v");
+        // A store without a token admits any client.
+        let open = StoreServer::bind("127.0.0.1:0").unwrap();
+        StoreClient::connect_with_token(&open.local_addr().to_string(), t, Some("x")).unwrap();
     }
 }

@@ -12,12 +12,12 @@ use crate::group::{GroupCore, GroupOptions, delegate_process_group};
 use crate::store::{StoreClient, StoreServer};
 use crate::transport::{FailureNote, Header, Lane, Mailbox, Message, Transport};
 use std::io::{Read, Write};
-use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x4b49_4c4e; // "KILN"
-const PROTOCOL_VERSION: u32 = 1;
+const PROTOCOL_VERSION: u32 = 2;
 
 #[derive(Debug)]
 struct TcpTransport {
@@ -162,15 +162,9 @@ impl TcpGroup {
     /// # Errors
     /// As [`TcpGroup::from_env`].
     pub fn from_launch_env(env: &LaunchEnv, options: GroupOptions) -> Result<TcpGroup> {
-        let server = if env.rank == 0 {
-            let bind: SocketAddr = (IpAddr::from([0, 0, 0, 0]), env.master_port).into();
-            Some(Arc::new(StoreServer::bind(bind)?))
-        } else {
-            None
-        };
-        let store = Arc::new(StoreClient::connect(&env.store_addr(), options.timeout)?);
-        let mut group = Self::connect(store, env.rank, env.world_size, options)?;
-        group._server = server;
+        let (server, store) = env.rendezvous(options.timeout)?;
+        let mut group = Self::connect(Arc::new(store), env.rank, env.world_size, options)?;
+        group._server = server.map(Arc::new);
         Ok(group)
     }
 
@@ -226,7 +220,8 @@ impl TcpGroup {
                 String::from_utf8_lossy(&store.get(&key(&format!("addr/{peer}")))?).into_owned();
             let stream = connect_until(&addr, deadline)
                 .map_err(|e| setup(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
-            let mut hello = Vec::with_capacity(16);
+            // The job token first: a peer refuses (and logs) a connection without it.
+            let mut hello = crate::store::token_frame(store.token());
             for v in [
                 HELLO_MAGIC,
                 PROTOCOL_VERSION,
@@ -252,8 +247,17 @@ impl TcpGroup {
                         context: "accepted connection".into(),
                         source: e,
                     })?;
-                    let peer = read_hello(&stream, world_size, deadline)
-                        .map_err(|e| setup(format!("connection from {from}: {e}")))?;
+                    let peer = match read_hello(&stream, world_size, deadline, store.token()) {
+                        Ok(peer) => peer,
+                        // Not this job's: logged and dropped, the job goes on forming.
+                        Err(Hello::Refused(why)) => {
+                            eprintln!("kiln: rank {rank} refused a connection from {from}: {why}");
+                            continue;
+                        }
+                        Err(Hello::Bad(e)) => {
+                            return Err(setup(format!("connection from {from}: {e}")));
+                        }
+                    };
                     if peer <= rank || streams[peer].is_some() {
                         return Err(setup(format!("unexpected connection from rank {peer}")));
                     }
@@ -385,38 +389,101 @@ fn connect_until(addr: &str, deadline: Instant) -> std::io::Result<TcpStream> {
     }
 }
 
-fn read_hello(stream: &TcpStream, world_size: usize, deadline: Instant) -> Result<usize, String> {
+/// Why a connecting peer was not taken.
+enum Hello {
+    /// Not this job's (no token, another token, not kiln): refused, and the job goes on.
+    Refused(String),
+    /// This job's, but inconsistent (another protocol version or world size): an error.
+    Bad(String),
+}
+
+fn read_hello(
+    stream: &TcpStream,
+    world_size: usize,
+    deadline: Instant,
+    token: Option<&str>,
+) -> Result<usize, Hello> {
     let wait = deadline
         .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(100));
+        .max(Duration::from_millis(100))
+        .min(Duration::from_secs(10));
     stream
         .set_read_timeout(Some(wait))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Hello::Bad(e.to_string()))?;
+    crate::store::check_token(&mut &*stream, token.map(str::as_bytes)).map_err(Hello::Refused)?;
     let mut b = [0u8; 16];
     (&*stream)
         .read_exact(&mut b)
-        .map_err(|e| format!("no hello: {e}"))?;
-    stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+        .map_err(|e| Hello::Refused(format!("no hello: {e}")))?;
+    stream
+        .set_read_timeout(None)
+        .map_err(|e| Hello::Bad(e.to_string()))?;
     let word = |i: usize| u32::from_le_bytes(b[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
     if word(0) != HELLO_MAGIC {
-        return Err("not a kiln peer (bad hello)".into());
+        return Err(Hello::Refused("not a kiln peer (bad hello)".into()));
     }
     if word(1) != PROTOCOL_VERSION {
-        return Err(format!(
+        return Err(Hello::Bad(format!(
             "protocol version {} but this rank speaks {PROTOCOL_VERSION}",
             word(1)
-        ));
+        )));
     }
     if word(3) as usize != world_size {
-        return Err(format!(
+        return Err(Hello::Bad(format!(
             "peer rank {} has world size {} but this rank has {world_size}",
             word(2),
             word(3)
-        ));
+        )));
     }
     let peer = word(2) as usize;
     if peer >= world_size {
-        return Err(format!("peer rank {peer} out of range"));
+        return Err(Hello::Bad(format!("peer rank {peer} out of range")));
     }
     Ok(peer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ProcessGroup;
+
+    /// A connection without the job token, arriving while the job forms, is refused (and
+    /// logged); the job forms anyway and its collectives work.
+    #[test]
+    fn peers_refuse_connections_without_the_job_token() {
+        let server = StoreServer::bind_with_token("127.0.0.1:0", Some("tok".into())).unwrap();
+        let addr = server.local_addr().to_string();
+        let options = GroupOptions {
+            timeout: Duration::from_secs(20),
+            ..Default::default()
+        };
+        let join = |rank: usize| {
+            let (addr, options) = (addr.clone(), options.clone());
+            std::thread::spawn(move || {
+                let store =
+                    StoreClient::connect_with_token(&addr, options.timeout, Some("tok")).unwrap();
+                let group = TcpGroup::connect(Arc::new(store), rank, 2, options).unwrap();
+                let mut v = [rank as f32 + 1.0];
+                group
+                    .all_reduce((&mut v[..]).into(), crate::ReduceOp::Sum)
+                    .unwrap();
+                v[0]
+            })
+        };
+        let rank0 = join(0);
+        // Rank 0 is listening: a stranger with another job's token calls first.
+        let probe = StoreClient::connect_with_token(&addr, options.timeout, Some("tok")).unwrap();
+        let at = String::from_utf8(probe.get("kiln/tcp/world/addr/0").unwrap()).unwrap();
+        let mut stray = TcpStream::connect(&at).unwrap();
+        stray
+            .write_all(&crate::store::token_frame(Some("not-this-job")))
+            .unwrap();
+        let mut rest = Vec::new();
+        // Refused: rank 0 closes the connection without a word.
+        stray.read_to_end(&mut rest).unwrap();
+        assert!(rest.is_empty());
+        let rank1 = join(1);
+        assert_eq!(rank0.join().unwrap(), 3.0);
+        assert_eq!(rank1.join().unwrap(), 3.0);
+    }
 }
