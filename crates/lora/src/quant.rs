@@ -57,6 +57,9 @@ const NF4_ZERO: u8 = 7;
 /// `e = 0..7`, `2^e` fraction levels, the midpoints of `linspace(0.1, 1, 2^e + 1)`, scaled by
 /// `10^(e - 6)` and mirrored; plus 0 and 1; sorted. Dense near zero, as scales centred on their
 /// mean are.
+///
+/// Computed in f64 and rounded: torch's f32 `linspace` (vectorised, so its rounding depends on
+/// the CPU's vector width) gives some levels one bit apart.
 pub fn dynamic_map() -> [f32; 256] {
     let mut data = Vec::with_capacity(256);
     for e in 0..7i32 {
