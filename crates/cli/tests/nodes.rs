@@ -1,7 +1,8 @@
 //! Across a node boundary: two network namespaces joined by a veth pair, each a "node" with its
 //! own address and loopback, one `kiln launch` in each, as on two machines. `kiln train` across
 //! them equals the same job on one machine; a link taken down mid-run fails every rank within
-//! the timeout, naming the collective, and both launchers exit non-zero.
+//! the timeout, naming the collective, and both launchers exit non-zero; a node killed, the job
+//! resumes from its last snapshot on the surviving node's ranks.
 //!
 //! Needs root and iproute2's `ip` (CI runs as root). Where namespaces cannot be made, each test
 //! prints why and returns: it says so, never silently.
@@ -165,6 +166,10 @@ fn text(out: &Output) -> String {
 }
 
 fn train_args(out: &Path, strategy: &str, steps: usize) -> Vec<String> {
+    train_args_snapshots(out, strategy, steps, 0)
+}
+
+fn train_args_snapshots(out: &Path, strategy: &str, steps: usize, every: usize) -> Vec<String> {
     let mut a = vec!["train".to_string()];
     for s in TINY {
         a.extend(["--set".to_string(), s.to_string()]);
@@ -176,7 +181,7 @@ fn train_args(out: &Path, strategy: &str, steps: usize) -> Vec<String> {
             "--steps",
             &steps.to_string(),
             "--snapshot-every",
-            "0",
+            &every.to_string(),
             "--out",
             &out.display().to_string(),
             "--overwrite",
@@ -207,8 +212,8 @@ fn training_across_two_nodes_equals_one_machine() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    // DDP and ZeRO-3 with a rank per node; hybrid with its shard group inside each node.
-    for (strategy, per_node) in [("ddp", 1), ("zero3", 1), ("hybrid:2", 2)] {
+    // Two ranks per node; hybrid:2 shards inside each node and replicates across them.
+    for (strategy, per_node) in [("ddp", 2), ("zero3", 2), ("hybrid:2", 2)] {
         let name = strategy.replace(':', "-");
         let across = tmp.path().join(format!("{name}-nodes"));
         let args = train_args(&across, strategy, 8);
@@ -277,4 +282,91 @@ fn a_link_cut_mid_run_fails_every_rank_within_the_timeout() {
         let why: Vec<&str> = t.lines().filter(|l| l.contains(" on group '")).collect();
         eprintln!("node {n} after {:?}: {}", cut.elapsed(), why.join(" | "));
     }
+}
+
+/// Every descendant of `pid`, from /proc (a launcher's ranks run in their own process groups).
+fn descendants(pid: i32) -> Vec<i32> {
+    let parent_of = |p: i32| -> Option<i32> {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        // "pid (comm) state ppid ...": comm may hold spaces, so split after the last ')'.
+        stat.rsplit(')')
+            .next()?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    let all: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    let mut found = vec![pid];
+    let mut i = 0;
+    while i < found.len() {
+        let p = found[i];
+        found.extend(all.iter().copied().filter(|&c| parent_of(c) == Some(p)));
+        i += 1;
+    }
+    found
+}
+
+#[test]
+fn a_killed_node_resumes_from_its_last_snapshot_on_fewer_ranks() {
+    let Some(nodes) = nodes_or_skip(3) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let (steps, every) = (120, 4);
+    let args = train_args_snapshots(&out, "zero3", steps, every);
+    let runs = [0, 1].map(|n| nodes.launch(n, 2, port(3), &args));
+    // A snapshot of the four ranks, then node 1 dies: its launcher and ranks, at once.
+    let latest = |out: &Path| -> usize {
+        std::fs::read_to_string(out.join("snapshots/latest"))
+            .ok()
+            .and_then(|n| n.trim().strip_prefix("step-")?.parse().ok())
+            .unwrap_or(0)
+    };
+    let start = Instant::now();
+    while latest(&out) < every {
+        assert!(start.elapsed() < Duration::from_secs(120), "no snapshot");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let [node0, node1] = runs;
+    for p in descendants(node1.id() as i32) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    let _ = node1.wait_with_output();
+    let out0 = node0.wait_with_output().unwrap();
+    assert!(!out0.status.success(), "node 0 went on:\n{}", text(&out0));
+    let killed_at = latest(&out);
+    assert!(killed_at < steps, "the run ended before the kill");
+    // The surviving node resumes alone, two ranks instead of four.
+    let mut args: Vec<String> = args.into_iter().filter(|a| a != "--overwrite").collect();
+    args.push("--resume".into());
+    let resumed = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &nodes.ns[0],
+            KILN,
+            "launch",
+            "--nproc-per-node",
+            "2",
+        ])
+        .args(["--master-port", "0", "--", KILN])
+        .args(&args)
+        .env("KILN_COMM_TIMEOUT", "10")
+        .output()
+        .unwrap();
+    let t = text(&resumed);
+    assert!(resumed.status.success(), "{t}");
+    assert!(
+        t.contains("resuming from ") && t.contains("written by 4 rank(s)"),
+        "{t}"
+    );
+    assert_eq!(latest(&out), steps, "{t}");
+    eprintln!("killed after snapshot {killed_at}; resumed on 2 ranks to step {steps}");
 }
