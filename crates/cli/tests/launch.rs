@@ -1,8 +1,11 @@
 //! Real processes on loopback: `kiln launch`, the TCP group across processes, and faults.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+use common::text;
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
@@ -12,14 +15,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// A rank started by hand (not by the launcher), as a test of the group itself.

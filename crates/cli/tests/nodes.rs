@@ -8,26 +8,13 @@
 //! prints why and returns: it says so, never silently.
 
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+mod common;
+use common::{TINY, text};
 
-/// A model and corpus small enough for a debug build.
-const TINY: &[&str] = &[
-    "model.layers=1",
-    "model.heads=2",
-    "model.dim=16",
-    "model.context=16",
-    "train.seq_len=16",
-    "train.batch_size=4",
-    "train.warmup_steps=2",
-    "train.eval_every=0",
-    "train.eval_batches=2",
-    "train.sample_chars=0",
-    "data.synthetic_chars=20000",
-    "output.progress_lines=4",
-];
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
 /// Two namespaces `<tag>-0` and `<tag>-1`, linked by veth `<dev>0` / `<dev>1` with addresses
 /// 10.<x>.<y>.1 and .2; removed when dropped.
@@ -155,14 +142,6 @@ fn nodes_or_skip(test: u8) -> Option<Nodes> {
             None
         }
     }
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 fn train_args(out: &Path, strategy: &str, steps: usize) -> Vec<String> {

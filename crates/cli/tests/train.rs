@@ -2,26 +2,13 @@
 //! while a snapshot is written, and every kind of bad input.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+mod common;
+use common::{TINY, text};
 
-/// A model and corpus small enough for a debug build.
-const TINY: &[&str] = &[
-    "model.layers=1",
-    "model.heads=2",
-    "model.dim=16",
-    "model.context=16",
-    "train.seq_len=16",
-    "train.batch_size=4",
-    "train.warmup_steps=2",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.sample_chars=8",
-    "data.synthetic_chars=20000",
-    "output.progress_lines=4",
-];
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
 fn train_args(out: &Path, steps: usize, snapshot_every: usize, extra: &[&str]) -> Vec<String> {
     let mut a = vec!["train".to_string()];
@@ -55,14 +42,6 @@ fn launch(nproc: usize, args: &[String]) -> Command {
     .args(args)
     .env("KILN_COMM_TIMEOUT", "60");
     c
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 fn run_ok(mut c: Command) -> String {
