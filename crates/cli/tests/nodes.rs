@@ -86,6 +86,8 @@ impl Nodes {
             ])?;
             ip(&["-n", ns, "link", "set", d, "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            // `ip netns exec` also mounts /sys, which some containers forbid even to root.
+            ip(&["netns", "exec", ns, "true"])?;
         }
         Ok(nodes)
     }
