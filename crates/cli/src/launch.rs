@@ -190,12 +190,12 @@ fn nccl_link_dir() -> Option<std::path::PathBuf> {
 /// The job's secret, which every rank presents to the store and its peers: `KILN_JOB_TOKEN`
 /// when set (on several nodes it must be, the same on each: a node's launcher cannot tell the
 /// others), else, on one node, 128 fresh random bits.
-fn job_token(nnodes: usize) -> Option<String> {
+fn job_token(nnodes: usize) -> Result<Option<String>> {
     if let Some(t) = std::env::var("KILN_JOB_TOKEN")
         .ok()
         .filter(|t| !t.trim().is_empty())
     {
-        return Some(t);
+        return Ok(Some(t));
     }
     if nnodes > 1 {
         eprintln!(
@@ -203,22 +203,13 @@ fn job_token(nnodes: usize) -> Option<String> {
              any connection that reaches them; export the same secret on every node (e.g. \
              KILN_JOB_TOKEN=$(openssl rand -hex 16)) to admit only this job"
         );
-        return None;
+        return Ok(None);
     }
     let mut bytes = [0u8; 16];
-    let random = std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
-    if random.is_err() {
-        // No /dev/urandom: the clock and the process id, still unknown to other jobs.
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let seed = format!("{now}-{}", std::process::id());
-        let h = kiln_comm::hash::fnv1a(seed.as_bytes());
-        bytes[..8].copy_from_slice(&h.to_le_bytes());
-        bytes[8..].copy_from_slice(&kiln_comm::hash::fnv1a(&h.to_le_bytes()).to_le_bytes());
-    }
-    Some(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .context("cannot read /dev/urandom for the job token; set KILN_JOB_TOKEN")?;
+    Ok(Some(bytes.iter().map(|b| format!("{b:02x}")).collect()))
 }
 
 /// Runs the job's local ranks; returns the exit code for the launcher.
@@ -246,7 +237,7 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
         p => p,
     };
     let world = args.nproc_per_node * args.nnodes;
-    let token = job_token(args.nnodes);
+    let token = job_token(args.nnodes)?;
     let (program, program_args) = args.command.split_first().expect("clap requires a command");
     let resolved = resolve_program(program)?;
     let nccl_dir = nccl_link_dir();

@@ -1,6 +1,8 @@
 //! Where a rank learns who it is: torchrun-style variables, or SLURM's, or Open MPI's.
 
 use crate::error::{CommError, Result};
+use crate::store::{StoreClient, StoreServer};
+use std::sync::Arc;
 
 /// Which launcher's variables configured this rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -243,20 +245,20 @@ impl LaunchEnv {
     pub fn rendezvous(
         &self,
         timeout: std::time::Duration,
-    ) -> Result<(Option<crate::store::StoreServer>, crate::store::StoreClient)> {
+    ) -> Result<(Option<Arc<StoreServer>>, Arc<StoreClient>)> {
         let server = if self.rank == 0 {
             let bind = self.store_bind_addr()?;
             let token = self.job_token.clone();
-            Some(crate::store::StoreServer::bind_with_token(bind, token)?)
+            Some(Arc::new(StoreServer::bind_with_token(bind, token)?))
         } else {
             None
         };
-        let client = crate::store::StoreClient::connect_with_token(
+        let client = StoreClient::connect_with_token(
             &self.store_addr(),
             timeout,
             self.job_token.as_deref(),
         )?;
-        Ok((server, client))
+        Ok((server, Arc::new(client)))
     }
 
     /// Where rank 0's store listens.

@@ -543,7 +543,6 @@ impl NcclGroup {
             .new_stream()
             .map_err(|e| nccl_err("creating a stream", e))?;
         let (server, store) = env.rendezvous(options.timeout)?;
-        let (server, store) = (server.map(Arc::new), Arc::new(store));
         let members: Vec<usize> = (0..env.world_size).collect();
         let key = format!("kiln/nccl/{}/id", options.name);
         let comm = Self::init_comm(

@@ -163,8 +163,8 @@ impl TcpGroup {
     /// As [`TcpGroup::from_env`].
     pub fn from_launch_env(env: &LaunchEnv, options: GroupOptions) -> Result<TcpGroup> {
         let (server, store) = env.rendezvous(options.timeout)?;
-        let mut group = Self::connect(Arc::new(store), env.rank, env.world_size, options)?;
-        group._server = server.map(Arc::new);
+        let mut group = Self::connect(store, env.rank, env.world_size, options)?;
+        group._server = server;
         Ok(group)
     }
 
@@ -471,17 +471,24 @@ mod tests {
             })
         };
         let rank0 = join(0);
-        // Rank 0 is listening: a stranger with another job's token calls first.
+        // Rank 0 is listening: a stranger with another job's token calls first, with a
+        // hello that claims rank 1. Taken, it would stand in for rank 1, and the real rank 1
+        // would be refused as a second rank 1.
         let probe = StoreClient::connect_with_token(&addr, options.timeout, Some("tok")).unwrap();
         let at = String::from_utf8(probe.get("kiln/tcp/world/addr/0").unwrap()).unwrap();
         let mut stray = TcpStream::connect(&at).unwrap();
-        stray
-            .write_all(&crate::store::token_frame(Some("not-this-job")))
-            .unwrap();
+        let mut hello = crate::store::token_frame(Some("not-this-job"));
+        for v in [HELLO_MAGIC, PROTOCOL_VERSION, 1, 2] {
+            hello.extend_from_slice(&v.to_le_bytes());
+        }
+        stray.write_all(&hello).unwrap();
+        // Refused: rank 0 closes the connection without a word (a reset when it leaves the
+        // hello unread).
         let mut rest = Vec::new();
-        // Refused: rank 0 closes the connection without a word.
-        stray.read_to_end(&mut rest).unwrap();
-        assert!(rest.is_empty());
+        match stray.read_to_end(&mut rest) {
+            Ok(_) => assert!(rest.is_empty()),
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset),
+        }
         let rank1 = join(1);
         assert_eq!(rank0.join().unwrap(), 3.0);
         assert_eq!(rank1.join().unwrap(), 3.0);

@@ -21,8 +21,9 @@ pub struct LoraConfig {
     pub rslora: bool,
     /// Seeds the draw of the `A` matrices (the same on every rank).
     pub seed: u64,
-    /// QLoRA: the targets' base weights stored 4-bit (NF4 with double quantisation, see
-    /// [`crate::quant`]) and dequantised on use.
+    /// QLoRA: the base's linear weights (every `Linear` but `lm_head`, and every target)
+    /// stored 4-bit (NF4 with double quantisation, see [`crate::quant`]) and dequantised on
+    /// use.
     #[serde(default)]
     pub qlora: bool,
 }

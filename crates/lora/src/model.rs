@@ -273,10 +273,7 @@ pub fn lora<B: Backend, M: Module<B>>(
         quantized: Vec::new(),
         quantized_paths: Vec::new(),
         targets,
-        config: LoraConfig {
-            qlora: false,
-            ..config.clone()
-        },
+        config: config.clone(),
         naming,
     };
     Ok(if config.qlora {
@@ -464,7 +461,7 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
     /// at a time; [`load_base`](Lora::load_base) quantises the weights of a file instead.
     /// Idempotent.
     pub fn quantize_base(self) -> Self {
-        if self.config.qlora {
+        if !self.quantized.is_empty() {
             return self;
         }
         let targets: std::collections::HashSet<&str> =
@@ -524,11 +521,10 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             } else {
                 [fan_in, fan_out]
             };
-            let data = file.float(&name.name, Some(&file_dims))?;
-            let values = data.into_vec::<f32>().map_err(|e| LoraError::Mismatch {
-                path: file.path().to_path_buf(),
-                what: format!("'{}' is not f32 data ({e:?})", name.name),
-            })?;
+            let values = file
+                .float(&name.name, Some(&file_dims))?
+                .into_vec::<f32>()
+                .expect("float() returns f32 data");
             let values = if name.transposed {
                 values
             } else {

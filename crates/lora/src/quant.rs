@@ -60,7 +60,15 @@ const NF4_ZERO: u8 = 7;
 ///
 /// Computed in f64 and rounded: torch's f32 `linspace` (vectorised, so its rounding depends on
 /// the CPU's vector width) gives some levels one bit apart.
-pub fn dynamic_map() -> [f32; 256] {
+pub fn dynamic_map() -> &'static [f32; 256] {
+    static MAP: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    MAP.get_or_init(make_dynamic_map)
+}
+
+/// The index of the dynamic map's 0: the code of padding scales.
+const DYNAMIC_ZERO: u8 = 127;
+
+fn make_dynamic_map() -> [f32; 256] {
     let mut data = Vec::with_capacity(256);
     for e in 0..7i32 {
         let items = (1usize << e) + 1;
@@ -149,7 +157,7 @@ impl Nf4Matrix {
             (absmax.iter().map(|&a| a as f64).sum::<f64>() / absmax.len() as f64) as f32
         };
         let centred: Vec<f32> = absmax.iter().map(|a| a - offset).collect();
-        let (absmax_codes, absmax_scales) = quantize_blocks(&centred, ABSMAX_BLOCK, &dynamic_map());
+        let (absmax_codes, absmax_scales) = quantize_blocks(&centred, ABSMAX_BLOCK, dynamic_map());
         Nf4Matrix {
             rows,
             cols,
@@ -203,10 +211,13 @@ impl Nf4Matrix {
 
 /// The NF4 pair table: entry `b` is the two values of the byte `b` (high nibble first), so one
 /// `select` unpacks and looks up both codes of a byte.
-fn pair_table() -> Vec<f32> {
-    (0..256usize)
-        .flat_map(|b| [NF4[b >> 4], NF4[b & 15]])
-        .collect()
+fn pair_table() -> &'static [f32] {
+    static PAIRS: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    PAIRS.get_or_init(|| {
+        (0..256usize)
+            .flat_map(|b| [NF4[b >> 4], NF4[b & 15]])
+            .collect()
+    })
 }
 
 /// A frozen weight stored 4-bit on the device and dequantised on use: QLoRA's base weight.
@@ -249,11 +260,7 @@ impl<B: Backend> Nf4Weight<B> {
     pub fn upload(m: &Nf4Matrix, device: &B::Device) -> Self {
         let mut absmax_codes = m.absmax_codes.clone();
         // Padding decodes to the offset and is cut off before use.
-        let zero = dynamic_map()
-            .iter()
-            .position(|&v| v == 0.0)
-            .expect("0 is a level") as u8;
-        absmax_codes.resize(m.absmax_scales.len() * ABSMAX_BLOCK, zero);
+        absmax_codes.resize(m.absmax_scales.len() * ABSMAX_BLOCK, DYNAMIC_ZERO);
         let ints = |v: Vec<u8>| {
             let n = v.len();
             let t = Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), (device, DType::U8));
@@ -299,7 +306,8 @@ impl<B: Backend> Nf4Weight<B> {
             .slice(0..blocks)
             .add_scalar(self.offset)
             .reshape([blocks, 1]);
-        let pairs = Tensor::<B, 2>::from_data(TensorData::new(pair_table(), [256, 2]), &device);
+        let pairs =
+            Tensor::<B, 2>::from_data(TensorData::new(pair_table().to_vec(), [256, 2]), &device);
         pairs
             .select(0, codes.cast(IntDType::I32))
             .reshape([blocks, BLOCK])
@@ -367,7 +375,7 @@ mod tests {
         assert!(m.windows(2).all(|w| w[0] < w[1]), "distinct and sorted");
         // The coarsest level is the last midpoint of linspace(0.1, 1, 65).
         assert_eq!((m[0], m[255]), (-(1.0 - 0.9 / 128.0), 1.0));
-        assert_eq!(m[127], 0.0);
+        assert_eq!(m[DYNAMIC_ZERO as usize], 0.0);
         // The finest level is 10^-6 times the first midpoint, 0.55.
         assert!((m[128] - 5.5e-7).abs() < 1e-12);
     }

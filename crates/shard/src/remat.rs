@@ -363,15 +363,7 @@ thread_local! {
 
 /// Runs `f` with this thread's whole-tensor float ops recorded into `pool`.
 pub fn recording<R>(pool: &Arc<Pool>, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<Arc<Pool>>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            RECORDING.with(|r| *r.borrow_mut() = self.0.take());
-        }
-    }
-    let before = RECORDING.with(|r| r.borrow_mut().replace(pool.clone()));
-    let _restore = Restore(before);
-    f()
+    with_pool(Some(pool.clone()), f)
 }
 
 /// Runs `f` with this thread's ops not recorded (their results are plain tensors, kept as
@@ -379,13 +371,19 @@ pub fn recording<R>(pool: &Arc<Pool>, f: impl FnOnce() -> R) -> R {
 /// weights dequantised from a 4-bit base, whose chains of lookups and layout ops would
 /// otherwise fill the pool with cells for one weight each.
 pub fn not_recording<R>(f: impl FnOnce() -> R) -> R {
+    with_pool(None, f)
+}
+
+/// Runs `f` with `pool` as this thread's recording pool, restoring the one before after it
+/// (even when `f` unwinds).
+fn with_pool<R>(pool: Option<Arc<Pool>>, f: impl FnOnce() -> R) -> R {
     struct Restore(Option<Arc<Pool>>);
     impl Drop for Restore {
         fn drop(&mut self) {
             RECORDING.with(|r| *r.borrow_mut() = self.0.take());
         }
     }
-    let before = RECORDING.with(|r| r.borrow_mut().take());
+    let before = RECORDING.with(|r| std::mem::replace(&mut *r.borrow_mut(), pool));
     let _restore = Restore(before);
     f()
 }

@@ -110,16 +110,14 @@ where
             Some(dir) => kiln_lora::load_peft(base, dir, M::hf_tensor, device)?,
             None => kiln_lora::lora(
                 base,
-                &kiln_lora::LoraConfig {
-                    qlora: false,
-                    ..self.lora.config(recipe.train.seed)
-                },
+                &self.lora.config(recipe.train.seed),
                 M::hf_tensor,
                 device,
             )?,
         };
-        // QLoRA: the targets' weights leave the base here (placeholders), so sharding never
-        // allocates them; `start` fills their 4-bit codes from the file.
+        // QLoRA (idempotent; an adapter directory's config does not say it): the linear
+        // weights leave the base here (placeholders), so sharding never allocates them;
+        // `start` fills their 4-bit codes from the file.
         Ok(if self.lora.qlora {
             model.quantize_base()
         } else {

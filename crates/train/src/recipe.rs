@@ -51,8 +51,9 @@ pub struct LoraRecipe {
     /// Dropout on the adapters' input; kiln's merged-weight adapters refuse anything but 0.
     #[serde(default)]
     pub dropout: f64,
-    /// QLoRA: the base's targeted weights stored 4-bit (NF4 with double quantisation) and
-    /// dequantised on use; the adapters and the rest of the base stay in f32.
+    /// QLoRA: the base's linear weights (every `Linear` but `lm_head`, and every target)
+    /// stored 4-bit (NF4 with double quantisation) and dequantised on use; the adapters and
+    /// the rest of the base stay in f32.
     #[serde(default)]
     pub qlora: bool,
     /// Start from this PEFT adapter directory instead of fresh adapters (its r, alpha and

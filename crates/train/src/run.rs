@@ -213,47 +213,42 @@ pub fn train_rank_with<B: Backend>(
             spec.max_positions()
         );
     }
+    let job = Job {
+        recipe,
+        spec,
+        tokenizer: &tokenizer,
+        group,
+        options,
+        device,
+        report,
+    };
     match recipe.remat()? {
-        Remat::Off | Remat::Budget(_) => {
-            by_model::<B, NoCheckpointing>(recipe, spec, &tokenizer, group, options, device, report)
-        }
-        Remat::Balanced => by_model::<B, BalancedCheckpointing>(
-            recipe, spec, &tokenizer, group, options, device, report,
-        ),
+        Remat::Off | Remat::Budget(_) => by_model::<B, NoCheckpointing>(job),
+        Remat::Balanced => by_model::<B, BalancedCheckpointing>(job),
     }
 }
 
-fn by_model<B: Backend, C: CheckpointStrategy>(
-    recipe: &Recipe,
+/// What a rank's run is given, the same whatever the model and the plan: passed down whole
+/// from [`train_rank_with`] through the model and plan choices to [`run`].
+struct Job<'a, B: Backend> {
+    recipe: &'a Recipe,
     spec: ModelSpec,
-    tokenizer: &Tokenizer,
+    tokenizer: &'a Tokenizer,
     group: Arc<dyn ProcessGroup>,
     options: RunOptions,
-    device: &B::Device,
-    report: &mut dyn Report,
-) -> Result<Summary> {
-    match spec.clone() {
-        ModelSpec::Gpt2(config) => by_plan::<B, C, kiln_gpt2::Gpt2<Train<B, C>>>(
-            recipe, spec, config, tokenizer, group, options, device, report,
-        ),
-        ModelSpec::Llama(config) => by_plan::<B, C, kiln_llama::Llama<Train<B, C>>>(
-            recipe, spec, config, tokenizer, group, options, device, report,
-        ),
+    device: &'a B::Device,
+    report: &'a mut dyn Report,
+}
+
+fn by_model<B: Backend, C: CheckpointStrategy>(job: Job<'_, B>) -> Result<Summary> {
+    match job.spec.clone() {
+        ModelSpec::Gpt2(config) => by_plan::<B, C, kiln_gpt2::Gpt2<Train<B, C>>>(job, config),
+        ModelSpec::Llama(config) => by_plan::<B, C, kiln_llama::Llama<Train<B, C>>>(job, config),
     }
 }
 
 /// The model `M` trained whole, or LoRA adapters on it when the recipe has `[lora]`.
-#[allow(clippy::too_many_arguments)] // `run`'s inputs, passed through
-fn by_plan<B, C, M>(
-    recipe: &Recipe,
-    spec: ModelSpec,
-    config: M::Config,
-    tokenizer: &Tokenizer,
-    group: Arc<dyn ProcessGroup>,
-    options: RunOptions,
-    device: &B::Device,
-    report: &mut dyn Report,
-) -> Result<Summary>
+fn by_plan<B, C, M>(job: Job<'_, B>, config: M::Config) -> Result<Summary>
 where
     B: Backend,
     C: CheckpointStrategy,
@@ -263,22 +258,15 @@ where
     <Lora<Train<B, C>, M> as AutodiffModule<Train<B, C>>>::InnerModule: CausalLm<Shard<B>>,
 {
     let _model = PhantomData;
-    match recipe.lora.clone() {
-        None => {
-            let plan = Full::<M, _> { config, _model };
-            run::<B, C, _>(
-                recipe, spec, tokenizer, plan, group, options, device, report,
-            )
-        }
+    match job.recipe.lora.clone() {
+        None => run::<B, C, _>(job, Full::<M, _> { config, _model }),
         Some(lora) => {
             let plan = Adapters::<M, _> {
                 config,
                 lora,
                 _model,
             };
-            run::<B, C, _>(
-                recipe, spec, tokenizer, plan, group, options, device, report,
-            )
+            run::<B, C, _>(job, plan)
         }
     }
 }
@@ -316,23 +304,22 @@ fn all_mean(group: &dyn ProcessGroup, value: f64) -> Result<f64> {
     Ok(f64::from(buf[0]))
 }
 
-#[allow(clippy::too_many_arguments)] // the run's inputs, each used once to set it up
-fn run<B, C, P>(
-    recipe: &Recipe,
-    spec: ModelSpec,
-    tokenizer: &Tokenizer,
-    plan: P,
-    group: Arc<dyn ProcessGroup>,
-    options: RunOptions,
-    device: &B::Device,
-    report: &mut dyn Report,
-) -> Result<Summary>
+fn run<B, C, P>(job: Job<'_, B>, plan: P) -> Result<Summary>
 where
     B: Backend,
     C: CheckpointStrategy,
     P: Plan<B, C>,
     <P::Model as AutodiffModule<Train<B, C>>>::InnerModule: CausalLm<Shard<B>>,
 {
+    let Job {
+        recipe,
+        spec,
+        tokenizer,
+        group,
+        options,
+        device,
+        report,
+    } = job;
     let (rank, world) = (group.rank(), group.world_size());
     let mut silent = Silent;
     let report: &mut dyn Report = if rank == 0 { report } else { &mut silent };
