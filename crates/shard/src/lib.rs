@@ -46,7 +46,7 @@ pub use optim::{ShardedOptimizer, clip_grad_norm, grad_norm, scale_grads};
 pub use precision::{LossScale, Precision, autocast};
 pub use prefetch::PrefetchStats;
 pub use state::{InitSync, ShardConfig, ShardError, Strategy, local_reads};
-pub use step::{StepConfig, StepStats, step};
+pub use step::{Passes, StepConfig, StepStats, step, step_with};
 pub use strategy::{
     backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release, remark,
     shard,

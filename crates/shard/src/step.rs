@@ -20,6 +20,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 use burn_backend::Backend;
+use kiln_comm::{BufMut, ProcessGroup, ReduceOp};
 
 /// How a step runs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -104,60 +105,128 @@ where
         config.accumulate > 0,
         "kiln: a step needs at least one micro-batch"
     );
-    // Forward, backward and the optimizer step under the precision policy (the optimizer's
-    // elementwise updates are not compute-bound ops, so they stay f32).
-    autocast(config.precision, move || {
-        let mut loss = loss;
-        let probe = MemoryProbe::start();
-        let pool = config.remat_budget.map(Pool::new);
-        let mut forward = |model: &M, i| {
-            with_kind(MemKind::Activations, || match &pool {
-                Some(pool) => recording(pool, || loss(model, i)),
-                None => loss(model, i),
-            })
-        };
-        // The loss differentiated: scaled under a loss scale (a power of two, so unscaling the
-        // gradients is exact).
-        let scale = config.loss_scale.map(|s| s.scale);
-        let scaled = |l: Tensor<AB, 1>| match scale {
-            Some(s) => l.mul_scalar(s),
-            None => l,
-        };
+    let mut loss = loss;
+    step_with(model, optim, lr, config, None, |model, passes| {
         let mut total = 0.0;
         let grads = if config.accumulate == 1 && !config.no_sync {
-            let l = forward(&model, 0);
+            let l = passes.forward(|| loss(model, 0));
             total += l.clone().into_scalar().elem::<f64>();
-            let l = scaled(l);
+            let l = passes.scaled(l);
             with_kind(MemKind::Backward, || {
-                GradientsParams::from_grads(l.backward(), &model)
+                GradientsParams::from_grads(l.backward(), model)
             })
         } else {
             let mut acc = GradientsAccumulator::<M>::new();
             for i in 0..config.accumulate {
-                let l = forward(&model, i);
+                let l = passes.forward(|| loss(model, i));
                 total += l.clone().into_scalar().elem::<f64>();
-                let l = scaled(l);
+                let l = passes.scaled(l);
                 let grads = with_kind(MemKind::Backward, || {
                     if config.no_sync {
-                        no_sync(&model, || backward(l, &model))
+                        no_sync(model, || backward(l, model))
                     } else {
-                        backward(l, &model)
+                        backward(l, model)
                     }
                 });
-                acc.accumulate(&model, grads);
+                acc.accumulate(model, grads);
             }
             let grads = acc.grads();
             if config.no_sync {
-                reduce_gradients(&model, grads)
+                reduce_gradients(model, grads)
             } else {
                 grads
             }
         };
+        (total, grads)
+    })
+}
+
+/// What a step's gradient producer (the micro-batch loop of [`step`], or a pipeline schedule)
+/// wraps its passes in, so that every way of producing gradients gets the step's memory
+/// accounting, rematerialisation and loss scaling alike.
+pub struct Passes<'a> {
+    pool: Option<&'a std::sync::Arc<Pool>>,
+    scale: Option<f64>,
+}
+
+impl std::fmt::Debug for Passes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Passes")
+            .field("remat", &self.pool.is_some())
+            .field("scale", &self.scale)
+            .finish()
+    }
+}
+
+impl Passes<'_> {
+    /// Runs a forward pass: its tensors counted as activations, recorded for remat under a
+    /// budget.
+    pub fn forward<R>(&self, f: impl FnOnce() -> R) -> R {
+        with_kind(MemKind::Activations, || match self.pool {
+            Some(pool) => recording(pool, f),
+            None => f(),
+        })
+    }
+
+    /// The loss to differentiate: scaled under a loss scale (a power of two, so unscaling the
+    /// gradients is exact).
+    pub fn scaled<AB: Backend>(&self, loss: Tensor<AB, 1>) -> Tensor<AB, 1> {
+        match self.scale {
+            Some(s) => loss.mul_scalar(s),
+            None => loss,
+        }
+    }
+}
+
+/// [`step`] with the gradients made by `grads(&model, passes)`, which returns this rank's loss
+/// and the reduced gradients of its parameters: norm, clipping, loss scaling and the optimizer
+/// step are the same for every producer. When `across` is given (a pipeline's stage group), the
+/// model's parameters are split over its ranks, so the global gradient norm sums their parts.
+///
+/// # Panics
+/// If a collective fails (with the rank and operation).
+pub fn step_with<B, AB, M, O>(
+    model: M,
+    optim: &mut O,
+    lr: f64,
+    config: &StepConfig,
+    across: Option<&dyn ProcessGroup>,
+    grads: impl FnOnce(&M, &Passes<'_>) -> (f64, GradientsParams),
+) -> (M, StepStats)
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+    O: Optimizer<M, AB>,
+{
+    // Forward, backward and the optimizer step under the precision policy (the optimizer's
+    // elementwise updates are not compute-bound ops, so they stay f32).
+    autocast(config.precision, move || {
+        let probe = MemoryProbe::start();
+        let pool = config.remat_budget.map(Pool::new);
+        let scale = config.loss_scale.map(|s| s.scale);
+        let passes = Passes {
+            pool: pool.as_ref(),
+            scale,
+        };
+        let (total, grads) = grads(&model, &passes);
         // One global norm serves clipping and the overflow check; every rank sees the same norm
         // (the sharded parts are all-reduced, the whole gradients are equal), so every rank takes
         // the same decision.
-        let norm = (config.clip.is_some() || scale.is_some())
-            .then(|| grad_norm::<B, AB, M>(&model, &grads));
+        let norm = (config.clip.is_some() || scale.is_some()).then(|| {
+            let norm = grad_norm::<B, AB, M>(&model, &grads);
+            match across {
+                Some(group) => {
+                    let mut squares = [(norm * norm) as f32];
+                    crate::account::waiting(|| {
+                        group.all_reduce(BufMut::F32(&mut squares), ReduceOp::Sum)
+                    })
+                    .unwrap_or_else(|e| panic!("kiln: the gradient norm over the stages: {e}"));
+                    f64::from(squares[0]).sqrt()
+                }
+                None => norm,
+            }
+        });
         let unscale = scale.map_or(1.0, |s| 1.0 / s);
         let grad_norm = norm.map(|n| n * unscale);
         if let (Some(s), Some(n)) = (config.loss_scale, norm)

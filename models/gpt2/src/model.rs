@@ -7,8 +7,10 @@ use burn::tensor::activation::{gelu, sigmoid};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use kiln_hf::{
-    CausalLm, HfNaming, HfTensorName, attention_softmax, causal_mask, masked_scores, tied_logits,
+    Carry, CausalLm, HfNaming, HfTensorName, Staged, Unit, attention_softmax, causal_mask,
+    masked_scores, tied_logits,
 };
+use std::ops::Range;
 
 /// GPT-2 initialisation: N(0, 0.02) (biases too; Hugging Face zeroes them, which only matters for
 /// training from scratch).
@@ -211,6 +213,13 @@ impl<B: Backend> Gpt2<B> {
     /// # Panics
     /// If `seq` exceeds `n_positions`.
     pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let units = self.transformer.h.len() + 2;
+        self.forward_units(0..units, Carry::Tokens(input_ids))
+            .hidden()
+    }
+
+    /// The embedding unit: token plus position embeddings.
+    fn embed(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let [batch, seq] = input_ids.dims();
         assert!(
             seq <= self.n_positions,
@@ -223,18 +232,66 @@ impl<B: Backend> Gpt2<B> {
         // Flattened, the positions are one row added to every sequence: Flex's SIMD broadcast
         // (`[1, seq, d]` against `[batch, seq, d]` walks both element by element).
         let d = t.wpe.weight.dims()[1];
-        let mut x = (t.wte.forward(input_ids).reshape([batch, seq * d])
+        (t.wte.forward(input_ids).reshape([batch, seq * d])
             + t.wpe.forward(positions).reshape([1, seq * d]))
-        .reshape([batch, seq, d]);
-        let mask = causal_mask::<B>(seq, &device).reshape([1, seq * seq]);
-        for block in &t.h {
-            x = block.forward(x, &mask);
-        }
+        .reshape([batch, seq, d])
+    }
+
+    /// The head unit: the final norm and the (tied or untied) projection to the vocabulary.
+    fn head(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let t = &self.transformer;
         let x = t.ln_f.forward(x);
         match &self.lm_head {
             Some(head) => head.forward(x),
             None => tied_logits(x, t.wte.weight.val()),
         }
+    }
+}
+
+/// Units: the embeddings, one per block, and the head (the final norm with `lm_head`, or with
+/// `wte` when tied).
+impl<B: Backend> Staged<B> for Gpt2<B> {
+    fn units(&self) -> Vec<Unit> {
+        let blocks = self.transformer.h.len();
+        let head = match self.lm_head {
+            Some(_) => "lm_head",
+            None => "transformer.wte",
+        };
+        std::iter::once(Unit::new("embed", &["transformer.wte", "transformer.wpe"]))
+            .chain(
+                (0..blocks).map(|i| Unit::new(format!("h.{i}"), &[&format!("transformer.h.{i}")])),
+            )
+            .chain(std::iter::once(Unit::new(
+                "head",
+                &["transformer.ln_f", head],
+            )))
+            .collect()
+    }
+
+    fn forward_units(&self, units: Range<usize>, x: Carry<B>) -> Carry<B> {
+        let blocks = self.transformer.h.len();
+        assert!(
+            units.end <= blocks + 2,
+            "GPT-2 has {} units, asked for {units:?}",
+            blocks + 2
+        );
+        let mut x = x;
+        let mut mask = None;
+        for unit in units {
+            x = Carry::Hidden(if unit == 0 {
+                self.embed(x.tokens())
+            } else if unit <= blocks {
+                let x = x.hidden();
+                let mask = mask.get_or_insert_with(|| {
+                    let seq = x.dims()[1];
+                    causal_mask::<B>(seq, &x.device()).reshape([1, seq * seq])
+                });
+                self.transformer.h[unit - 1].forward(x, mask)
+            } else {
+                self.head(x.hidden())
+            });
+        }
+        x
     }
 }
 

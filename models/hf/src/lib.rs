@@ -28,6 +28,7 @@ mod lm;
 mod pretrained;
 mod reference;
 mod safetensors_file;
+pub mod staged;
 mod tokenizer;
 pub mod verify;
 pub mod weights;
@@ -44,6 +45,7 @@ pub use lm::{
 pub use pretrained::Pretrained;
 pub use reference::{AdamWSettings, Reference};
 pub use safetensors_file::SafetensorsFile;
+pub use staged::{Carry, Staged, Unit};
 pub use tokenizer::{ByteTokenizer, TOKENIZER_FILE, Tokenizer};
 pub use weights::{
     HfGrads, HfNaming, HfTensorName, hf_grad_norms, hf_grads, hf_tensors, load_weights,

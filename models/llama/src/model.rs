@@ -7,8 +7,10 @@ use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln_hf::{
-    CausalLm, HfNaming, HfTensorName, attention_softmax, causal_mask, masked_scores, tied_logits,
+    Carry, CausalLm, HfNaming, HfTensorName, Staged, Unit, attention_softmax, causal_mask,
+    masked_scores, tied_logits,
 };
+use std::ops::Range;
 
 /// Llama initialisation: N(0, 0.02) (`initializer_range`).
 const INIT: Initializer = Initializer::Normal {
@@ -301,8 +303,13 @@ impl LlamaConfig {
 impl<B: Backend> Llama<B> {
     /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]`.
     pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let [_, seq] = input_ids.dims();
-        let device = input_ids.device();
+        let units = self.model.layers.len() + 2;
+        self.forward_units(0..units, Carry::Tokens(input_ids))
+            .hidden()
+    }
+
+    /// The rotary tables and the causal mask for sequences of `seq` tokens.
+    fn position_tables(&self, seq: usize, device: &B::Device) -> (AttentionRope<B>, Tensor<B, 2>) {
         let m = &self.model;
         let angles = m.rope.angles(seq);
         let rope = AttentionRope {
@@ -310,25 +317,66 @@ impl<B: Backend> Llama<B> {
                 &angles,
                 m.rope.heads,
                 1.0 / (m.rope.head_dim as f64).sqrt(),
-                &device,
+                device,
             ),
-            k: m.rope.tables(&angles, m.rope.kv_heads, 1.0, &device),
+            k: m.rope.tables(&angles, m.rope.kv_heads, 1.0, device),
         };
-        let mask = causal_mask::<B>(seq, &device).reshape([1, seq * seq]);
-        let mut x = m.embed_tokens.forward(input_ids);
-        for layer in &m.layers {
-            let attn =
-                layer
-                    .self_attn
-                    .forward(layer.input_layernorm.forward(x.clone()), &rope, &mask);
-            x = x + attn;
-            x = x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x));
+        let mask = causal_mask::<B>(seq, device).reshape([1, seq * seq]);
+        (rope, mask)
+    }
+}
+
+/// Units: the embedding, one per decoder layer, and the head (the final norm with `lm_head`, or
+/// with `embed_tokens` when tied).
+impl<B: Backend> Staged<B> for Llama<B> {
+    fn units(&self) -> Vec<Unit> {
+        let layers = self.model.layers.len();
+        let head = match self.lm_head {
+            Some(_) => "lm_head",
+            None => "model.embed_tokens",
+        };
+        std::iter::once(Unit::new("embed", &["model.embed_tokens"]))
+            .chain(
+                (0..layers)
+                    .map(|i| Unit::new(format!("layers.{i}"), &[&format!("model.layers.{i}")])),
+            )
+            .chain(std::iter::once(Unit::new("head", &["model.norm", head])))
+            .collect()
+    }
+
+    fn forward_units(&self, units: Range<usize>, x: Carry<B>) -> Carry<B> {
+        let m = &self.model;
+        let layers = m.layers.len();
+        assert!(
+            units.end <= layers + 2,
+            "Llama has {} units, asked for {units:?}",
+            layers + 2
+        );
+        let mut x = x;
+        let mut tables = None;
+        for unit in units {
+            x = Carry::Hidden(if unit == 0 {
+                m.embed_tokens.forward(x.tokens())
+            } else if unit <= layers {
+                let x = x.hidden();
+                let (rope, mask) =
+                    tables.get_or_insert_with(|| self.position_tables(x.dims()[1], &x.device()));
+                let layer = &m.layers[unit - 1];
+                let attn =
+                    layer
+                        .self_attn
+                        .forward(layer.input_layernorm.forward(x.clone()), rope, mask);
+                let x = x + attn;
+                x.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(x))
+            } else {
+                let x = m.norm.forward(x.hidden());
+                match &self.lm_head {
+                    Some(head) => head.forward(x),
+                    None => tied_logits(x, m.embed_tokens.weight.val()),
+                }
+            });
         }
-        let x = m.norm.forward(x);
-        match &self.lm_head {
-            Some(head) => head.forward(x),
-            None => tied_logits(x, m.embed_tokens.weight.val()),
-        }
+        x
     }
 }
 
