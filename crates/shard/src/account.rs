@@ -267,7 +267,7 @@ static RANK_WAIT_NS: [std::sync::atomic::AtomicU64; MAX_COUNTED_RANKS] =
 /// Runs `f`, a collective (or a wait for one) that blocks the thread computing for this rank,
 /// and counts the time towards the rank's [`comm_wait`]: exposed communication, the part that
 /// overlap and prefetch did not hide.
-pub(crate) fn waiting<R>(f: impl FnOnce() -> R) -> R {
+pub fn waiting<R>(f: impl FnOnce() -> R) -> R {
     let start = std::time::Instant::now();
     let out = f();
     if let Some(counter) = current_rank().and_then(|r| RANK_WAIT_NS.get(r)) {

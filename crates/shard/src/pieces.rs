@@ -160,7 +160,21 @@ where
 
 /// Replaces every float parameter's values with `f(path, tensor)` (the values of the range this
 /// rank holds, see [`held_range`]), keeping its layout, `require_grad` and gradient-sync mark.
-pub fn map_params<B, AB, M>(module: M, f: impl FnMut(&str, &ShardTensor<B>) -> Vec<f32>) -> M
+pub fn map_params<B, AB, M>(module: M, mut f: impl FnMut(&str, &ShardTensor<B>) -> Vec<f32>) -> M
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    update_params::<B, AB, M>(module, |path, t| Some(f(path, t)))
+}
+
+/// [`map_params`] for the parameters where `f` returns new values; the others are kept as
+/// they are (not copied).
+pub fn update_params<B, AB, M>(
+    module: M,
+    f: impl FnMut(&str, &ShardTensor<B>) -> Option<Vec<f32>>,
+) -> M
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
@@ -175,7 +189,7 @@ where
     where
         B: Backend,
         AB: AutodiffBackend<InnerBackend = Shard<B>>,
-        F: FnMut(&str, &ShardTensor<B>) -> Vec<f32>,
+        F: FnMut(&str, &ShardTensor<B>) -> Option<Vec<f32>>,
     {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.path.0.push(name.to_string());
@@ -187,12 +201,13 @@ where
             &mut self,
             param: Param<Tensor<AB, D>>,
         ) -> Param<Tensor<AB, D>> {
-            let (id, tensor, mapper) = param.consume();
             let path = self.path.join();
-            let tensor = replace_primitive::<B, AB, D>(tensor, |t| {
-                let values = (self.f)(&path, &t);
-                like(&t, values)
-            });
+            let values = (self.f)(&path, &primitive(param.val().inner()));
+            let Some(values) = values else {
+                return param;
+            };
+            let (id, tensor, mapper) = param.consume();
+            let tensor = replace_primitive::<B, AB, D>(tensor, |t| like(&t, values));
             Param::from_mapped_value(id, tensor, mapper)
         }
     }

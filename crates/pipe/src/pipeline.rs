@@ -1,0 +1,560 @@
+//! One rank's stage of a pipeline: its parameters, and its part of each training step.
+
+use crate::mailbox::{Mailbox, Tag};
+use crate::{PipeError, Placement, Schedule, ScheduleKind, Split};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Int, Shape, Tensor, TensorData};
+use kiln_comm::{BufMut, ProcessGroup};
+use kiln_hf::{Carry, Staged};
+use kiln_shard::account::{MemKind, with_kind};
+use kiln_shard::pieces::{piece, update_params, visit_params};
+use kiln_shard::{Shard, StepConfig, StepStats, no_sync, reduce_gradients, remark, step_with};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The shape of a pipeline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineConfig {
+    /// Stages (p): the ranks of the stage group.
+    pub stages: usize,
+    /// Micro-batches per step (m): the global batch is cut into this many.
+    pub microbatches: usize,
+    /// The schedule.
+    pub schedule: ScheduleKind,
+    /// How the units are cut into chunks.
+    pub split: Split,
+}
+
+/// What one stage did in a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PipeStats {
+    /// Time in forward and backward passes.
+    pub compute: Duration,
+    /// Time waiting for a neighbour's activation or gradient.
+    pub waiting: Duration,
+    /// The schedule's whole time on this stage (from its first pass to its last).
+    pub wall: Duration,
+    /// Bytes sent to other stages.
+    pub sent: usize,
+}
+
+impl PipeStats {
+    /// This stage's idle share of the schedule: `1 - compute / wall`.
+    pub fn bubble(&self) -> f64 {
+        1.0 - self.compute.as_secs_f64() / self.wall.as_secs_f64().max(f64::MIN_POSITIVE)
+    }
+}
+
+/// A parameter read on several stages.
+#[derive(Debug, Clone)]
+struct SharedParam {
+    path: String,
+    /// The stages holding it, ascending; the first owns it (sums gradients, sends values).
+    stages: Vec<usize>,
+}
+
+/// This rank's stage of a pipeline: the placement, the schedule and the stage group.
+#[derive(Debug)]
+pub struct Pipeline {
+    schedule: Schedule,
+    placement: Placement,
+    group: Arc<dyn ProcessGroup>,
+    shared: Vec<SharedParam>,
+}
+
+impl Pipeline {
+    /// Cuts `model` for the stage `group.rank()` of `group` (the stage group: one rank per
+    /// stage, ranks in stage order) and returns the stage's model: every parameter that none of
+    /// its units reads becomes an empty placeholder. Call it before sharding the model over its
+    /// data-parallel group, on every rank, with the same model.
+    ///
+    /// # Errors
+    /// A group that is not `config.stages` ranks; more chunks than the model has units; bad
+    /// split points; a parameter no unit reads; a schedule that does not fit (interleaved with
+    /// micro-batches not a multiple of the stages).
+    pub fn new<B: Backend, M: Staged<B>>(
+        model: M,
+        group: Arc<dyn ProcessGroup>,
+        config: &PipelineConfig,
+    ) -> Result<(Pipeline, M), PipeError> {
+        if group.world_size() != config.stages {
+            return Err(PipeError::Config(format!(
+                "the stage group {:?} has {} ranks but the pipeline {} stages",
+                group.name(),
+                group.world_size(),
+                config.stages
+            )));
+        }
+        let units = model.units();
+        let params = param_sizes(&model);
+        let mut sizes = vec![0usize; units.len()];
+        for (path, numel) in &params {
+            let users: Vec<usize> = (0..units.len()).filter(|&u| units[u].uses(path)).collect();
+            if users.is_empty() {
+                return Err(PipeError::Config(format!(
+                    "parameter {path} is read by no unit of the model, so no stage would hold it"
+                )));
+            }
+            for u in users {
+                sizes[u] += numel;
+            }
+        }
+        let placement = Placement::new(
+            units.into_iter().zip(sizes).collect(),
+            config.stages,
+            config.schedule.chunks(),
+            &config.split,
+        )?;
+        let schedule = Schedule::new(config.schedule, config.stages, config.microbatches)?;
+        let shared = params
+            .iter()
+            .map(|(path, _)| SharedParam {
+                path: path.clone(),
+                stages: placement.stages_using(path),
+            })
+            .filter(|s| s.stages.len() > 1)
+            .collect();
+        let stage = group.rank();
+        let keep = |path: &str| placement.stages_using(path).contains(&stage);
+        let model = model.map(&mut Drop {
+            path: Vec::new(),
+            keep: &keep,
+        });
+        Ok((
+            Pipeline {
+                schedule,
+                placement,
+                group,
+                shared,
+            },
+            model,
+        ))
+    }
+
+    /// This rank's stage.
+    pub fn stage(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// The stage group.
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.group
+    }
+
+    /// Which units run where.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// The schedule.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// The stage that computes the loss (the last chunk's).
+    pub fn last_stage(&self) -> usize {
+        self.schedule.stage_of(self.schedule.chunks() - 1)
+    }
+
+    /// Whether this stage reads the micro-batches' token ids (it runs chunk 0).
+    pub fn reads_inputs(&self) -> bool {
+        self.stage() == 0
+    }
+
+    /// Whether this stage computes the loss (it runs the last chunk).
+    pub fn reads_targets(&self) -> bool {
+        self.stage() == self.last_stage()
+    }
+
+    /// One training step of this stage: runs the schedule over the micro-batches, then kiln's
+    /// step ([`step_with`]): gradients reduced over the model's data-parallel group, the global
+    /// norm over every stage, clipping, loss scaling, the optimizer. `input(mb)` gives
+    /// micro-batch `mb`'s token ids (called on stage 0 only); `loss(logits, mb)` its loss, as in
+    /// [`kiln_shard::step`] divided by the number of micro-batches (called on the last stage
+    /// only). Every stage returns the step's loss (the last stage's, shared).
+    ///
+    /// `config.accumulate` is ignored (the micro-batches are the pipeline's); gradients are
+    /// always reduced once per step, after the schedule.
+    ///
+    /// # Panics
+    /// If a send or receive between stages fails (a lost or late peer: the error names the
+    /// stage and what it waited for), or a collective of the step does.
+    pub fn step<B, AB, M, O>(
+        &self,
+        model: M,
+        optim: &mut O,
+        lr: f64,
+        config: &StepConfig,
+        input: impl Fn(usize) -> Tensor<AB, 2, Int>,
+        loss: impl Fn(Tensor<AB, 3>, usize) -> Tensor<AB, 1>,
+    ) -> (M, StepStats, PipeStats)
+    where
+        B: Backend,
+        AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        M: AutodiffModule<AB> + Staged<AB>,
+        O: Optimizer<M, AB>,
+    {
+        let mut stats = PipeStats::default();
+        let (model, step) = step_with(
+            model,
+            optim,
+            lr,
+            config,
+            Some(&*self.group),
+            |model, passes| {
+                let (total, grads, s) = self
+                    .backprop::<B, AB, M>(model, passes, &input, &loss)
+                    .unwrap_or_else(|e| panic!("kiln: {e}"));
+                stats = s;
+                (total, grads)
+            },
+        );
+        let model = self
+            .copy_shared_values::<B, AB, M>(model)
+            .unwrap_or_else(|e| panic!("kiln: {e}"));
+        (model, step, stats)
+    }
+
+    /// The schedule's passes: the step's loss (on every stage) and this stage's gradients,
+    /// reduced over the data-parallel group.
+    fn backprop<B, AB, M>(
+        &self,
+        model: &M,
+        passes: &kiln_shard::Passes<'_>,
+        input: &dyn Fn(usize) -> Tensor<AB, 2, Int>,
+        loss: &dyn Fn(Tensor<AB, 3>, usize) -> Tensor<AB, 1>,
+    ) -> Result<(f64, GradientsParams, PipeStats), PipeError>
+    where
+        B: Backend,
+        AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        M: AutodiffModule<AB> + Staged<AB>,
+    {
+        /// What a forward keeps for its backward.
+        enum Kept<AB: AutodiffBackend> {
+            /// The chunk's output, differentiated against the next stage's gradient.
+            Output(Tensor<AB, 3>),
+            /// The loss (last chunk), scaled.
+            Loss(Tensor<AB, 1>),
+        }
+        let stage = self.stage();
+        let device = model
+            .devices()
+            .into_iter()
+            .next()
+            .expect("a model with parameters");
+        let last = self.schedule.chunks() - 1;
+        let mut mail = Mailbox::new(&*self.group);
+        let mut alive: HashMap<(usize, usize), (Option<Tensor<AB, 3>>, Kept<AB>)> = HashMap::new();
+        let mut acc = GradientsAccumulator::<M>::new();
+        let mut stats = PipeStats::default();
+        let mut total = 0.0;
+        let start = Instant::now();
+        for action in self.schedule.actions(stage) {
+            match *action {
+                crate::Action::Forward { mb, chunk } => {
+                    let (x, carry) = if chunk == 0 {
+                        (None, Carry::Tokens(input(mb)))
+                    } else {
+                        let from = self.schedule.stage_of(chunk - 1);
+                        let (dims, values) = mail.take(Tag::Activation { mb, chunk }, from)?;
+                        let x = Tensor::<AB, 3>::from_data(TensorData::new(values, dims), &device)
+                            .require_grad();
+                        (Some(x.clone()), Carry::Hidden(x))
+                    };
+                    let t = Instant::now();
+                    let units = self.placement.chunk(chunk);
+                    let out = passes.forward(|| model.forward_units(units, carry).hidden());
+                    let kept = if chunk == last {
+                        let l = passes.forward(|| loss(out, mb));
+                        total += l.clone().into_scalar().elem::<f64>();
+                        stats.compute += t.elapsed();
+                        Kept::Loss(passes.scaled(l))
+                    } else {
+                        let (dims, values) = values_of(out.clone());
+                        stats.compute += t.elapsed();
+                        let to = self.schedule.stage_of(chunk + 1);
+                        mail.send(
+                            Tag::Activation {
+                                mb,
+                                chunk: chunk + 1,
+                            },
+                            to,
+                            &dims,
+                            &values,
+                        )?;
+                        Kept::Output(out)
+                    };
+                    alive.insert((mb, chunk), (x, kept));
+                }
+                crate::Action::Backward { mb, chunk } => {
+                    let (x, kept) = alive
+                        .remove(&(mb, chunk))
+                        .expect("a checked schedule runs a forward before its backward");
+                    let root = match kept {
+                        Kept::Loss(l) => l,
+                        Kept::Output(y) => {
+                            let from = self.schedule.stage_of(chunk + 1);
+                            let (dims, values) = mail.take(Tag::Gradient { mb, chunk }, from)?;
+                            let g =
+                                Tensor::<AB, 3>::from_data(TensorData::new(values, dims), &device)
+                                    .cast(y.dtype());
+                            // d(sum(y · g))/dθ = gᵀ ∂y/∂θ: backward from y with gradient g.
+                            (y * g).sum()
+                        }
+                    };
+                    let t = Instant::now();
+                    let grads = with_kind(MemKind::Backward, || {
+                        no_sync::<B, AB, M, _>(model, || root.backward())
+                    });
+                    let dx = x.map(|x| x.grad(&grads).expect("a chunk's input reaches its output"));
+                    acc.accumulate(model, GradientsParams::from_grads(grads, model));
+                    remark::<B, AB, M>(model);
+                    let dx = dx.map(|dx| values_of(Tensor::<AB, 3>::from_inner(dx)));
+                    stats.compute += t.elapsed();
+                    if let Some((dims, values)) = dx {
+                        let to = self.schedule.stage_of(chunk - 1);
+                        mail.send(
+                            Tag::Gradient {
+                                mb,
+                                chunk: chunk - 1,
+                            },
+                            to,
+                            &dims,
+                            &values,
+                        )?;
+                    }
+                }
+            }
+        }
+        stats.wall = start.elapsed();
+        let mut grads = acc.grads();
+        self.sum_shared_grads::<B, AB, M>(model, &mut grads, &mut mail)?;
+        stats.waiting = mail.waited;
+        stats.sent = mail.sent;
+        let grads = reduce_gradients(model, grads);
+        // Every stage reports the step's loss: the last stage's, exactly (f64 bits).
+        let mut bits = [total.to_bits() as i64];
+        kiln_shard::account::waiting(|| {
+            self.group
+                .broadcast(BufMut::I64(&mut bits), self.last_stage())
+        })
+        .map_err(|source| PipeError::Comm {
+            stage,
+            what: "sharing the step's loss".into(),
+            source,
+        })?;
+        Ok((f64::from_bits(bits[0] as u64), grads, stats))
+    }
+
+    /// Sums the gradients of shared parameters on their first stage (before reduction, so the
+    /// data-parallel reduction sees the whole gradient); the other stages drop theirs (their
+    /// copies take the first's values after the step, so they need no optimizer state).
+    fn sum_shared_grads<B, AB, M>(
+        &self,
+        model: &M,
+        grads: &mut GradientsParams,
+        mail: &mut Mailbox<'_>,
+    ) -> Result<(), PipeError>
+    where
+        B: Backend,
+        AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        M: AutodiffModule<AB>,
+    {
+        if self.shared.is_empty() {
+            return Ok(());
+        }
+        struct Sum<'a, 'm, B: Backend> {
+            pipe: &'a Pipeline,
+            grads: &'a mut GradientsParams,
+            mail: &'a mut Mailbox<'m>,
+            path: Vec<String>,
+            error: Option<PipeError>,
+            _b: std::marker::PhantomData<B>,
+        }
+        impl<B, AB> ModuleVisitor<AB> for Sum<'_, '_, B>
+        where
+            B: Backend,
+            AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                if self.error.is_some() {
+                    return;
+                }
+                let path = self.path.join(".");
+                let stage = self.pipe.stage();
+                let Some(index) = self.pipe.shared.iter().position(|s| s.path == path) else {
+                    return;
+                };
+                let stages = &self.pipe.shared[index].stages;
+                if !stages.contains(&stage) {
+                    return;
+                }
+                let shape = param.val().shape();
+                let grad = self.grads.remove::<Shard<B>, D>(param.id);
+                let device = param.val().inner().device();
+                let mut values = match grad {
+                    Some(g) => g
+                        .into_data()
+                        .convert::<f32>()
+                        .into_vec::<f32>()
+                        .expect("f32"),
+                    None => vec![0.0; shape.num_elements()],
+                };
+                let tag = Tag::SharedGrad { index };
+                let result = if stage == stages[0] {
+                    stages[1..].iter().try_for_each(|&from| {
+                        let (_, theirs) = self.mail.take(tag, from)?;
+                        for (v, t) in values.iter_mut().zip(theirs) {
+                            *v += t;
+                        }
+                        Ok(())
+                    })
+                } else {
+                    self.mail.send(tag, stages[0], &shape.dims::<D>(), &values)
+                };
+                match result {
+                    Err(e) => self.error = Some(e),
+                    Ok(()) if stage == stages[0] => {
+                        let g = Tensor::<Shard<B>, D>::from_data(
+                            TensorData::new(values, shape),
+                            &device,
+                        );
+                        self.grads.register(param.id, g);
+                    }
+                    Ok(()) => {}
+                }
+            }
+        }
+        let mut sum = Sum::<B> {
+            pipe: self,
+            grads,
+            mail,
+            path: Vec::new(),
+            error: None,
+            _b: std::marker::PhantomData,
+        };
+        model.visit(&mut sum);
+        sum.error.map_or(Ok(()), Err)
+    }
+
+    /// Copies each shared parameter's values from its first stage to the others (each rank the
+    /// range it holds: the stages' data-parallel groups have the same size).
+    fn copy_shared_values<B, AB, M>(&self, model: M) -> Result<M, PipeError>
+    where
+        B: Backend,
+        AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        M: AutodiffModule<AB>,
+    {
+        if self.shared.is_empty() {
+            return Ok(model);
+        }
+        let stage = self.stage();
+        let mut mail = Mailbox::new(&*self.group);
+        let mut error = None;
+        let index_of = |path: &str| {
+            self.shared
+                .iter()
+                .position(|s| s.path == path && s.stages.contains(&stage))
+        };
+        let mut owned = Vec::new();
+        visit_params::<B, AB, M>(&model, |path, _, t| {
+            if let Some(index) = index_of(path)
+                && self.shared[index].stages[0] == stage
+            {
+                owned.push((index, piece(t).values));
+            }
+        });
+        for (index, values) in owned {
+            for &to in &self.shared[index].stages[1..] {
+                let tag = Tag::SharedValue { index };
+                mail.send(tag, to, &[values.len()], &values)?;
+            }
+        }
+        let model = update_params::<B, AB, M>(model, |path, _| {
+            let index = index_of(path)?;
+            let from = self.shared[index].stages[0];
+            if from == stage || error.is_some() {
+                return None;
+            }
+            match mail.take(Tag::SharedValue { index }, from) {
+                Ok((_, values)) => Some(values),
+                Err(e) => {
+                    error = Some(e);
+                    None
+                }
+            }
+        });
+        error.map_or(Ok(model), Err)
+    }
+}
+
+/// A float tensor's dims and values as f32.
+fn values_of<B: Backend>(t: Tensor<B, 3>) -> (Vec<usize>, Vec<f32>) {
+    let dims = t.dims().to_vec();
+    let values = t
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("converted to f32");
+    (dims, values)
+}
+
+/// Every float parameter's path and element count, in module order (lazy parameters are not
+/// initialised: their shape is known).
+fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, usize)> {
+    struct Sizes {
+        path: Vec<String>,
+        out: Vec<(String, usize)>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Sizes {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.out
+                .push((self.path.join("."), param.shape().num_elements()));
+        }
+    }
+    let mut sizes = Sizes {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    model.visit(&mut sizes);
+    sizes.out
+}
+
+/// Replaces the parameters this stage does not hold by empty placeholders.
+struct Drop<'a> {
+    path: Vec<String>,
+    keep: &'a dyn Fn(&str) -> bool,
+}
+
+impl<B: Backend> ModuleMapper<B> for Drop<'_> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if (self.keep)(&self.path.join(".")) {
+            return param;
+        }
+        let device = param.lazy_device();
+        let (id, _, mapper) = param.consume();
+        let empty = Tensor::<B, D>::zeros(Shape::new([0; D]), &device);
+        Param::from_mapped_value(id, empty, mapper)
+    }
+}
