@@ -197,6 +197,8 @@ impl Pipeline {
         M: AutodiffModule<AB> + Staged<AB>,
         O: Optimizer<M, AB>,
     {
+        self.check_threads::<B, AB, M>(&model)
+            .unwrap_or_else(|e| panic!("kiln: {e}"));
         let mut stats = PipeStats::default();
         let (model, step) = step_with(
             model,
@@ -216,6 +218,36 @@ impl Pipeline {
             .copy_shared_values::<B, AB, M>(model)
             .unwrap_or_else(|e| panic!("kiln: {e}"));
         (model, step, stats)
+    }
+
+    /// Refuses parameters gathered in backward (ZeRO-3, hybrid) when the stages are threads of
+    /// one process: Burn's autodiff tidies every thread's graph after each backward, waiting
+    /// for a graph whose backward is in an all-gather, which can wait on this stage's next
+    /// send: a cycle. Separate processes (`kiln launch`) have separate graphs.
+    fn check_threads<B, AB, M>(&self, model: &M) -> Result<(), PipeError>
+    where
+        B: Backend,
+        AB: AutodiffBackend<InnerBackend = Shard<B>>,
+        M: AutodiffModule<AB>,
+    {
+        if self.group.backend() != "local" || self.group.world_size() == 1 {
+            return Ok(());
+        }
+        let mut sharded = None;
+        visit_params::<B, AB, M>(model, |path, _, t| {
+            if matches!(t, kiln_shard::ShardTensor::Sharded(_)) && sharded.is_none() {
+                sharded = Some(path.to_string());
+            }
+        });
+        match sharded {
+            None => Ok(()),
+            Some(path) => Err(PipeError::Config(format!(
+                "parameter {path} is sharded (ZeRO-3 or hybrid) and the stages are threads of one \
+                 process: Burn's autodiff graph is shared by the process's threads and a stage's \
+                 backward all-gathers can deadlock with another stage's sends. Run the ranks as \
+                 processes (kiln launch, TCP groups), or use DDP or ZeRO-1/2 on the data-parallel axis"
+            ))),
+        }
     }
 
     /// The schedule's passes: the step's loss (on every stage) and this stage's gradients,
