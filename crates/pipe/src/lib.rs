@@ -62,7 +62,7 @@ pub enum PipeError {
         what: String,
         /// The group's error.
         #[source]
-        source: kiln_comm::CommError,
+        source: Box<kiln_comm::CommError>,
     },
     /// A peer sent something that is not a pipeline message.
     #[error("pipeline: {0}")]

@@ -113,7 +113,7 @@ impl<'a> Mailbox<'a> {
         let err = |source| PipeError::Comm {
             stage,
             what: format!("sending {tag} to stage {dst}"),
-            source,
+            source: Box::new(source),
         };
         self.group.send(BufRef::I64(&header), dst).map_err(err)?;
         self.group.send(BufRef::F32(values), dst).map_err(err)?;
@@ -136,7 +136,7 @@ impl<'a> Mailbox<'a> {
                     break Err(PipeError::Comm {
                         stage: self.group.rank(),
                         what: format!("waiting for {tag} from stage {src}"),
-                        source,
+                        source: Box::new(source),
                     });
                 }
                 Err(ReceiveError::Header(header)) => {

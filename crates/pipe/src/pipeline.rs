@@ -279,7 +279,10 @@ impl Pipeline {
             .expect("a model with parameters");
         let last = self.schedule.chunks() - 1;
         let mut mail = Mailbox::new(&*self.group);
-        let mut alive: HashMap<(usize, usize), (Option<Tensor<AB, 3>>, Kept<AB>)> = HashMap::new();
+        /// Per (micro-batch, chunk) in flight: the received input (whose gradient goes back)
+        /// and what backward starts from.
+        type Alive<AB> = HashMap<(usize, usize), (Option<Tensor<AB, 3>>, Kept<AB>)>;
+        let mut alive: Alive<AB> = HashMap::new();
         let mut acc = GradientsAccumulator::<M>::new();
         let mut stats = PipeStats::default();
         let mut total = 0.0;
@@ -376,7 +379,7 @@ impl Pipeline {
         .map_err(|source| PipeError::Comm {
             stage,
             what: "sharing the step's loss".into(),
-            source,
+            source: Box::new(source),
         })?;
         Ok((f64::from_bits(bits[0] as u64), grads, stats))
     }

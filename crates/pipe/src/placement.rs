@@ -136,7 +136,7 @@ impl Placement {
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let sizes = self.stage_sizes();
-        for stage in 0..self.stages {
+        for (stage, size) in sizes.iter().enumerate() {
             let chunks: Vec<String> = (stage..self.chunks.len())
                 .step_by(self.stages)
                 .map(|c| {
@@ -156,7 +156,7 @@ impl fmt::Display for Placement {
                 f,
                 "stage {stage}: {} ({} parameters)",
                 chunks.join(" + "),
-                sizes[stage]
+                size
             )?;
         }
         Ok(())
