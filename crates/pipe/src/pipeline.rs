@@ -63,6 +63,8 @@ pub struct Pipeline {
     placement: Placement,
     group: Arc<dyn ProcessGroup>,
     shared: Vec<SharedParam>,
+    /// Benchmark mode: a stage's forward and backward of one micro-batch take this long more.
+    delay: Option<(Duration, Duration)>,
 }
 
 impl Pipeline {
@@ -129,9 +131,19 @@ impl Pipeline {
                 placement,
                 group,
                 shared,
+                delay: None,
             },
             model,
         ))
+    }
+
+    /// Benchmark mode: every forward of one micro-batch through a stage takes `forward` more,
+    /// every backward `backward` more (divided among the stage's chunks), counted as compute.
+    /// With a model whose own compute is negligible, the schedule itself is measured: its
+    /// bubble on more stages than the machine has cores.
+    pub fn with_delay(mut self, forward: Duration, backward: Duration) -> Self {
+        self.delay = Some((forward, backward));
+        self
     }
 
     /// This rank's stage.
@@ -281,8 +293,8 @@ impl Pipeline {
         let mut mail = Mailbox::new(&*self.group);
         /// Per (micro-batch, chunk) in flight: the received input (whose gradient goes back)
         /// and what backward starts from.
-        type Alive<AB> = HashMap<(usize, usize), (Option<Tensor<AB, 3>>, Kept<AB>)>;
-        let mut alive: Alive<AB> = HashMap::new();
+        type Alive<AB, M> = HashMap<(usize, usize), (Option<Tensor<AB, 3>>, Kept<AB>, M)>;
+        let mut alive: Alive<AB, M> = HashMap::new();
         let mut acc = GradientsAccumulator::<M>::new();
         let mut stats = PipeStats::default();
         let mut total = 0.0;
@@ -300,8 +312,16 @@ impl Pipeline {
                         (Some(x.clone()), Carry::Hidden(x))
                     };
                     let t = Instant::now();
+                    self.sleep(|d| d.0);
                     let units = self.placement.chunk(chunk);
-                    let out = passes.forward(|| model.forward_units(units, carry).hidden());
+                    // Each micro-batch's forward reads the parameters through leaves of its own,
+                    // so that the graphs alive at once share no node: Burn 0.21 merges graphs
+                    // that share nodes, and its graph registry can lose a merged graph once a
+                    // node it was keyed by is freed by another micro-batch's backward ("Node
+                    // should have a step registered"). Gradients are keyed by parameter id,
+                    // so they land on the model's parameters all the same.
+                    let own = model.clone().map(&mut OwnLeaves);
+                    let out = passes.forward(|| own.forward_units(units, carry).hidden());
                     let kept = if chunk == last {
                         let l = passes.forward(|| loss(out, mb));
                         total += l.clone().into_scalar().elem::<f64>();
@@ -322,10 +342,10 @@ impl Pipeline {
                         )?;
                         Kept::Output(out)
                     };
-                    alive.insert((mb, chunk), (x, kept));
+                    alive.insert((mb, chunk), (x, kept, own));
                 }
                 crate::Action::Backward { mb, chunk } => {
-                    let (x, kept) = alive
+                    let (x, kept, own) = alive
                         .remove(&(mb, chunk))
                         .expect("a checked schedule runs a forward before its backward");
                     let root = match kept {
@@ -341,11 +361,12 @@ impl Pipeline {
                         }
                     };
                     let t = Instant::now();
+                    self.sleep(|d| d.1);
                     let grads = with_kind(MemKind::Backward, || {
                         no_sync::<B, AB, M, _>(model, || root.backward())
                     });
                     let dx = x.map(|x| x.grad(&grads).expect("a chunk's input reaches its output"));
-                    acc.accumulate(model, GradientsParams::from_grads(grads, model));
+                    acc.accumulate(model, GradientsParams::from_grads(grads, &own));
                     remark::<B, AB, M>(model);
                     let dx = dx.map(|dx| values_of(Tensor::<AB, 3>::from_inner(dx)));
                     stats.compute += t.elapsed();
@@ -382,6 +403,13 @@ impl Pipeline {
             source: Box::new(source),
         })?;
         Ok((f64::from_bits(bits[0] as u64), grads, stats))
+    }
+
+    /// The benchmark delay of one pass (`which` picks forward or backward), if any.
+    fn sleep(&self, which: impl Fn((Duration, Duration)) -> Duration) {
+        if let Some(d) = self.delay {
+            std::thread::sleep(which(d) / self.schedule.chunks_per_stage() as u32);
+        }
     }
 
     /// Sums the gradients of shared parameters on their first stage (before reduction, so the
@@ -568,6 +596,21 @@ fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, usize)> {
     };
     model.visit(&mut sizes);
     sizes.out
+}
+
+/// The same parameters as new autodiff leaves (no copy of their values).
+struct OwnLeaves;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for OwnLeaves {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, t, mapper) = param.consume();
+        let t = if t.is_require_grad() {
+            t.detach().require_grad()
+        } else {
+            t
+        };
+        Param::from_mapped_value(id, t, mapper)
+    }
 }
 
 /// Replaces the parameters this stage does not hold by empty placeholders.

@@ -327,6 +327,9 @@ fn llama() -> kiln_llama::Llama<AB> {
 #[test]
 fn gpt2_with_a_tied_head_trains_the_same_pipelined() {
     check("gpt2", gpt2, &CASES);
+    // One unit per stage, the head alone on the last: eight micro-batch graphs alive at once on
+    // a stage whose only parameters are shared (see `OwnLeaves` in the pipeline).
+    check("gpt2", gpt2, &[(8, 1, 8, GPipe), (8, 1, 8, OneFOneB)]);
 }
 
 #[test]

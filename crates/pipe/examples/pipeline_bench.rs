@@ -1,0 +1,330 @@
+//! The pipeline's bubble, measured: per stage, time computing and time waiting for neighbours,
+//! and the idle share of the whole schedule beside the textbook (p-1)/(v·m + p-1); and the
+//! activation bytes a stage holds at its peak under GPipe and 1F1B.
+//!
+//! Part 1 runs GPT-2 with real compute on 2 stages (this machine's 2 cores). Part 2 measures
+//! the schedule itself at 4 and 8 stages, more than the cores: each stage's pass is a fixed
+//! delay (`Pipeline::with_delay`) around a model whose own compute is negligible, so the
+//! stages sleep instead of competing for cores; the stages are processes joined by TCP.
+//!
+//!     cargo run --release -p kiln-pipe --example pipeline_bench
+//!     (or bash scripts/bench-pipeline.sh)
+
+use burn::optim::AdamWConfig;
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln::shard::account::{MemKind, RankAlloc, attribute_to_rank};
+use kiln::shard::{ShardedOptimizer, StepConfig};
+use kiln::{Flex, Train};
+use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
+use kiln_hf::causal_lm_loss;
+use kiln_pipe::{Pipeline, PipelineConfig, ScheduleKind, Split};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[global_allocator]
+static ALLOC: RankAlloc = RankAlloc;
+
+type AB = Train<Flex>;
+const VOCAB: usize = 256;
+
+fn gpt2(layers: usize, d: usize, seq: usize) -> kiln_gpt2::Gpt2<AB> {
+    kiln_gpt2::Gpt2Config {
+        vocab_size: VOCAB,
+        n_positions: seq,
+        n_embd: d,
+        n_layer: layers,
+        n_head: 4,
+        n_inner: None,
+        activation_function: "gelu_new".into(),
+        layer_norm_epsilon: 1e-5,
+        scale_attn_weights: true,
+        scale_attn_by_inverse_layer_idx: false,
+        tie_word_embeddings: true,
+    }
+    .init(&Default::default())
+}
+
+fn tokens(rows: usize, seq: usize, step: usize, mb: usize, shift: usize) -> Tensor<AB, 2, Int> {
+    let v: Vec<i64> = (0..rows * seq)
+        .map(|i| ((i * 7 + step * 13 + mb * 31 + shift) % VOCAB) as i64)
+        .collect();
+    Tensor::from_data(TensorData::new(v, [rows, seq]), &Default::default())
+}
+
+/// What one configuration measured, averaged over the timed steps.
+struct Measured {
+    /// Per stage: compute, waiting, wall (seconds per step).
+    stages: Vec<(f64, f64, f64)>,
+    bubble: f64,
+    ideal: f64,
+    /// Per stage: peak activation bytes in a step.
+    activations: Vec<usize>,
+}
+
+/// Per timed step: (compute, waiting, wall) seconds; and the peak activation bytes.
+type RankRun = (Vec<(f64, f64, f64)>, usize);
+
+/// `steps` steps (the first not timed) of this rank's stage.
+#[allow(clippy::too_many_arguments)]
+fn run_rank(
+    world: Arc<dyn ProcessGroup>,
+    model: kiln_gpt2::Gpt2<AB>,
+    m: usize,
+    schedule: ScheduleKind,
+    rows: usize,
+    seq: usize,
+    steps: usize,
+    delay: Option<(Duration, Duration)>,
+) -> RankRun {
+    attribute_to_rank(world.rank());
+    let config = PipelineConfig {
+        stages: world.world_size(),
+        microbatches: m,
+        schedule,
+        split: Split::Balanced,
+    };
+    let (mut pipe, mut model) = Pipeline::new(model, world.clone(), &config).unwrap();
+    if let Some((f, b)) = delay {
+        pipe = pipe.with_delay(f, b);
+    }
+    let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<AB, _>());
+    let mut out = Vec::new();
+    let mut activations = 0;
+    for step in 0..steps {
+        world.barrier().unwrap();
+        let (next, stats, s) = pipe.step(
+            model,
+            &mut optim,
+            1e-3,
+            &StepConfig::default(),
+            |mb| tokens(rows, seq, step, mb, 0),
+            |logits, mb| {
+                causal_lm_loss(logits, tokens(rows, seq, step, mb, 1)).div_scalar(m as f64)
+            },
+        );
+        model = next;
+        if step > 0 {
+            out.push((
+                s.compute.as_secs_f64(),
+                s.waiting.as_secs_f64(),
+                s.wall.as_secs_f64(),
+            ));
+        }
+        if let Some(mem) = stats.memory {
+            activations = activations.max(mem.peak_of(MemKind::Activations));
+        }
+    }
+    (out, activations)
+}
+
+/// The pipeline's numbers from every rank's.
+fn summarize(per_rank: &[RankRun], m: usize, schedule: ScheduleKind) -> Measured {
+    let p = per_rank.len();
+    let timed = per_rank[0].0.len();
+    let mut stages = vec![(0.0, 0.0, 0.0); p];
+    let mut bubble = 0.0;
+    for step in 0..timed {
+        let makespan = per_rank.iter().map(|(s, _)| s[step].2).fold(0.0, f64::max);
+        let busy: f64 = per_rank.iter().map(|(s, _)| s[step].0).sum();
+        bubble += 1.0 - busy / (p as f64 * makespan);
+        for (rank, (s, _)) in per_rank.iter().enumerate() {
+            stages[rank].0 += s[step].0 / timed as f64;
+            stages[rank].1 += s[step].1 / timed as f64;
+            stages[rank].2 += s[step].2 / timed as f64;
+        }
+    }
+    let v = schedule.chunks() as f64;
+    Measured {
+        stages,
+        bubble: bubble / timed as f64,
+        ideal: (p as f64 - 1.0) / (v * m as f64 + p as f64 - 1.0),
+        activations: per_rank.iter().map(|(_, a)| *a).collect(),
+    }
+}
+
+/// A `p`-stage pipeline with stages as threads of this process.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    make: &(dyn Fn() -> kiln_gpt2::Gpt2<AB> + Sync),
+    p: usize,
+    m: usize,
+    schedule: ScheduleKind,
+    rows: usize,
+    seq: usize,
+    steps: usize,
+) -> Measured {
+    let per_rank = spawn_ranks(p, |world: LocalGroup| {
+        run_rank(Arc::new(world), make(), m, schedule, rows, seq, steps, None)
+    });
+    summarize(&per_rank, m, schedule)
+}
+
+/// The delay-mode model: GPT-2 with 16 blocks of width 8 (its compute is negligible).
+fn tiny() -> kiln_gpt2::Gpt2<AB> {
+    gpt2(16, 8, 8)
+}
+
+/// A `p`-stage pipeline in delay mode with stages as processes (this program again, joined by
+/// TCP): Burn's autodiff graph registry is process-wide, and eight stage threads of one
+/// process trip over its cross-thread clean-up.
+fn measure_processes(
+    p: usize,
+    m: usize,
+    schedule: ScheduleKind,
+    steps: usize,
+    delay: (Duration, Duration),
+) -> Measured {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let children: Vec<_> = (0..p)
+        .map(|rank| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", p.to_string())
+                .env("LOCAL_WORLD_SIZE", p.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env(
+                    "KILN_BENCH_CHILD",
+                    format!(
+                        "{m} {schedule} {steps} {} {}",
+                        delay.0.as_micros(),
+                        delay.1.as_micros()
+                    ),
+                )
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let per_rank: Vec<RankRun> = children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().unwrap();
+            assert!(out.status.success(), "a stage process failed");
+            let text = String::from_utf8(out.stdout).unwrap();
+            let mut steps = Vec::new();
+            let mut act = 0;
+            for line in text.lines() {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                match f.first() {
+                    Some(&"STEP") => steps.push((
+                        f[1].parse().unwrap(),
+                        f[2].parse().unwrap(),
+                        f[3].parse().unwrap(),
+                    )),
+                    Some(&"ACT") => act = f[1].parse().unwrap(),
+                    _ => {}
+                }
+            }
+            (steps, act)
+        })
+        .collect();
+    summarize(&per_rank, m, schedule)
+}
+
+/// A stage process of `measure_processes`.
+fn child(spec: &str) {
+    let f: Vec<&str> = spec.split_whitespace().collect();
+    let (m, schedule, steps): (usize, ScheduleKind, usize) = (
+        f[0].parse().unwrap(),
+        f[1].parse().unwrap(),
+        f[2].parse().unwrap(),
+    );
+    let delay = (
+        Duration::from_micros(f[3].parse().unwrap()),
+        Duration::from_micros(f[4].parse().unwrap()),
+    );
+    let world: Arc<dyn ProcessGroup> = Arc::new(kiln_comm::TcpGroup::from_env().unwrap());
+    let (steps, act) = run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay));
+    for (c, w, wall) in steps {
+        println!("STEP {c} {w} {wall}");
+    }
+    println!("ACT {act}");
+}
+
+fn report(what: &str, r: &Measured) {
+    println!(
+        "{what}: bubble {:.3} measured, {:.3} in theory ({:+.0}%)",
+        r.bubble,
+        r.ideal,
+        100.0 * (r.bubble - r.ideal) / r.ideal
+    );
+    for (stage, (c, w, wall)) in r.stages.iter().enumerate() {
+        println!(
+            "    stage {stage}: compute {:.1} ms, waiting {:.1} ms, schedule {:.1} ms per step; peak activations {:.2} MiB",
+            c * 1e3,
+            w * 1e3,
+            wall * 1e3,
+            r.activations[stage] as f64 / (1 << 20) as f64
+        );
+    }
+}
+
+fn main() {
+    if let Ok(spec) = std::env::var("KILN_BENCH_CHILD") {
+        return child(&spec);
+    }
+    let (layers, d, seq, rows) = (8, 128, 128, 4);
+    let make = || gpt2(layers, d, seq);
+    println!(
+        "== Part 1: GPT-2 {layers} layers x d={d}, micro-batches of {rows} x {seq} tokens, real compute, 2 stages (threads), 5 steps (first untimed)"
+    );
+    let mut peaks = Vec::new();
+    for (m, schedule) in [
+        (2, ScheduleKind::OneFOneB),
+        (4, ScheduleKind::GPipe),
+        (4, ScheduleKind::OneFOneB),
+        (4, ScheduleKind::Interleaved { chunks: 2 }),
+        (8, ScheduleKind::GPipe),
+        (8, ScheduleKind::OneFOneB),
+        (8, ScheduleKind::Interleaved { chunks: 2 }),
+    ] {
+        let r = measure(&make, 2, m, schedule, rows, seq, 5);
+        report(&format!("p 2, m {m}, {schedule}"), &r);
+        if m == 8 && schedule != (ScheduleKind::Interleaved { chunks: 2 }) {
+            peaks.push((schedule, r.activations));
+        }
+    }
+    if let [(_, gpipe), (_, one)] = &peaks[..] {
+        for stage in 0..2 {
+            println!(
+                "peak activations, stage {stage}, m 8: 1F1B {:.2} MiB = {:.2} x GPipe's {:.2} MiB (p/m = {:.2})",
+                one[stage] as f64 / (1 << 20) as f64,
+                one[stage] as f64 / gpipe[stage] as f64,
+                gpipe[stage] as f64 / (1 << 20) as f64,
+                2.0 / 8.0
+            );
+        }
+    }
+    let (f, b) = (Duration::from_millis(20), Duration::from_millis(40));
+    println!(
+        "\n== Part 2: the schedule itself: each stage's forward of a micro-batch takes {} ms, its backward {} ms (a delay; the model's own compute is negligible); stages as processes",
+        f.as_millis(),
+        b.as_millis()
+    );
+    for p in [4, 8] {
+        for (m, schedule) in [
+            (8, ScheduleKind::GPipe),
+            (8, ScheduleKind::OneFOneB),
+            (8, ScheduleKind::Interleaved { chunks: 2 }),
+            (16, ScheduleKind::OneFOneB),
+        ] {
+            let r = measure_processes(p, m, schedule, 3, (f, b));
+            println!(
+                "p {p}, m {m}, {schedule}: bubble {:.3} measured, {:.3} in theory ({:+.0}%); step {:.0} ms (ideal {:.0} ms)",
+                r.bubble,
+                r.ideal,
+                100.0 * (r.bubble - r.ideal) / r.ideal,
+                r.stages.iter().map(|s| s.2).fold(0.0, f64::max) * 1e3,
+                (f + b).as_secs_f64()
+                    * 1e3
+                    * (m as f64 + (p as f64 - 1.0) / schedule.chunks() as f64)
+            );
+        }
+    }
+}
