@@ -346,21 +346,9 @@ fn llama() -> kiln_llama::Llama<AB> {
 fn gpt2_with_a_tied_head_trains_the_same_pipelined() {
     check("gpt2", gpt2, &CASES);
     // One unit per stage, the embedding alone on the first and the head alone on the last:
-    // eight micro-batch graphs alive at once (Burn lost them before `OwnLeaves`, see the
-    // pipeline). Measured 3e-6 to 2e-5 from one device over 20 steps (it varies with the random
-    // initialisation; 2 and 4 stages stay below 1e-6): checked within 1e-4.
-    let initial = seeded(&gpt2);
-    let one = reference(gpt2(), &initial, 8);
-    for case in [(8, 1, 8, GPipe), (8, 1, 8, OneFOneB)] {
-        let what = format!("gpt2 pp 8 m 8 {}", case.3);
-        compare_within(
-            &what,
-            &one,
-            &pipelined(&gpt2, &initial, case, false),
-            8,
-            1e-4,
-        );
-    }
+    // eight micro-batch graphs alive at once on a stage (Burn lost such graphs before
+    // `OwnLeaves`, see the pipeline).
+    check("gpt2", gpt2, &[(8, 1, 8, GPipe), (8, 1, 8, OneFOneB)]);
 }
 
 #[test]
