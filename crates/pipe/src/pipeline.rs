@@ -262,6 +262,70 @@ impl Pipeline {
         }
     }
 
+    /// The summed loss of `microbatches` micro-batches, forward only (validation): each stage
+    /// runs its chunks of micro-batch 0, then of micro-batch 1, and so on (a stage's inputs come
+    /// from earlier chunks only, and sends do not wait, so this order cannot deadlock). Works on
+    /// any backend, the training one or its inner (`model.valid()`). `input` is called on
+    /// stage 0, `loss` on the last stage; every stage returns the sum.
+    ///
+    /// # Errors
+    /// A send or receive between stages failed.
+    pub fn evaluate<B: Backend, M: Staged<B>>(
+        &self,
+        model: &M,
+        microbatches: usize,
+        input: impl Fn(usize) -> Tensor<B, 2, Int>,
+        loss: impl Fn(Tensor<B, 3>, usize) -> Tensor<B, 1>,
+    ) -> Result<f64, PipeError> {
+        let stage = self.stage();
+        let device = model
+            .devices()
+            .into_iter()
+            .next()
+            .expect("a model with parameters");
+        let last = self.schedule.chunks() - 1;
+        let mut mail = Mailbox::new(&*self.group);
+        let mut total = 0.0;
+        for mb in 0..microbatches {
+            for chunk in (stage..=last).step_by(self.schedule.stages()) {
+                let carry = if chunk == 0 {
+                    Carry::Tokens(input(mb))
+                } else {
+                    let from = self.schedule.stage_of(chunk - 1);
+                    let (dims, values) = mail.take(Tag::Activation { mb, chunk }, from)?;
+                    Carry::Hidden(Tensor::from_data(TensorData::new(values, dims), &device))
+                };
+                let out = model
+                    .forward_units(self.placement.chunk(chunk), carry)
+                    .hidden();
+                if chunk == last {
+                    total += loss(out, mb).into_scalar().elem::<f64>();
+                } else {
+                    let (dims, values) = values_of(out);
+                    let to = self.schedule.stage_of(chunk + 1);
+                    mail.send(
+                        Tag::Activation {
+                            mb,
+                            chunk: chunk + 1,
+                        },
+                        to,
+                        &dims,
+                        &values,
+                    )?;
+                }
+            }
+        }
+        let mut bits = [total.to_bits() as i64];
+        self.group
+            .broadcast(BufMut::I64(&mut bits), self.last_stage())
+            .map_err(|source| PipeError::Comm {
+                stage,
+                what: "sharing the evaluation's loss".into(),
+                source: Box::new(source),
+            })?;
+        Ok(f64::from_bits(bits[0] as u64))
+    }
+
     /// The schedule's passes: the step's loss (on every stage) and this stage's gradients,
     /// reduced over the data-parallel group.
     fn backprop<B, AB, M>(

@@ -13,7 +13,7 @@ use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::shard::{ShardConfig, ShardedOptimizer, StepConfig, Strategy, gather_model, shard};
-use kiln::{Flex, Train};
+use kiln::{Flex, Kiln, Train};
 use kiln_comm::{DeviceMesh, LocalGroup, MeshShape, ProcessGroup, spawn_ranks};
 use kiln_hf::{Carry, Staged, Unit, causal_lm_loss};
 use kiln_pipe::{Pipeline, PipelineConfig, ScheduleKind, Split};
@@ -78,6 +78,19 @@ fn adamw<M: AutodiffModule<AB>>() -> ShardedOptimizer<impl burn::optim::Optimize
     ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().with_weight_decay(0.1).init::<AB, M>())
 }
 
+/// A model this test pipelines: trained on `AB`, evaluated on its inner backend.
+trait Pipelineable: AutodiffModule<AB, InnerModule = Self::Inner> + Staged<AB> {
+    type Inner: Staged<Kiln<Flex>>;
+}
+
+impl<M> Pipelineable for M
+where
+    M: AutodiffModule<AB> + Staged<AB>,
+    M::InnerModule: Staged<Kiln<Flex>>,
+{
+    type Inner = M::InnerModule;
+}
+
 /// One device, the batch as `microbatches` accumulated micro-batches per step (the same rows
 /// as the pipeline's micro-batches, over all its data-parallel ranks).
 fn reference<M: AutodiffModule<AB> + Staged<AB>>(
@@ -114,7 +127,7 @@ fn reference<M: AutodiffModule<AB> + Staged<AB>>(
 
 /// A pipeline of `pp` stages x `dp` data-parallel ranks (ZeRO-3 when `zero3`, else DDP), `m`
 /// micro-batches per step, as threads: every rank's losses and its stage's final parameters.
-fn pipelined<M: AutodiffModule<AB> + Staged<AB>>(
+fn pipelined<M: Pipelineable>(
     make: &(dyn Fn() -> M + Sync),
     initial: &HashMap<String, Vec<f32>>,
     case: (usize, usize, usize, ScheduleKind),
@@ -126,7 +139,7 @@ fn pipelined<M: AutodiffModule<AB> + Staged<AB>>(
 }
 
 /// One rank of a pipelined run over `world`.
-fn run_rank<M: AutodiffModule<AB> + Staged<AB>>(
+fn run_rank<M: Pipelineable>(
     world: Arc<dyn ProcessGroup>,
     model: M,
     initial: &HashMap<String, Vec<f32>>,
@@ -168,6 +181,18 @@ fn run_rank<M: AutodiffModule<AB> + Staged<AB>>(
         ..Default::default()
     };
     let mut losses = Vec::new();
+    // Forward only (validation), on the inner backend: the same loss as training's first step
+    // computes (checked against one device's first loss by `compare`).
+    let evaluated = pipe
+        .evaluate(
+            &model.valid(),
+            m,
+            |mb| tokens(rows(mb), 0, 0).inner(),
+            |logits, mb| {
+                causal_lm_loss(logits, tokens(rows(mb), 0, 1).inner()).div_scalar(m as f64)
+            },
+        )
+        .unwrap();
     for step in 0..STEPS {
         let (next, stats, _) = pipe.step(
             model,
@@ -178,6 +203,13 @@ fn run_rank<M: AutodiffModule<AB> + Staged<AB>>(
             |logits, mb| causal_lm_loss(logits, tokens(rows(mb), step, 1)).div_scalar(m as f64),
         );
         model = next;
+        if step == 0 {
+            assert!(
+                (stats.loss - evaluated).abs() <= 1e-6 * evaluated.abs(),
+                "forward-only evaluation {evaluated} vs the first step's loss {}",
+                stats.loss
+            );
+        }
         losses.push(stats.loss);
     }
     let model = gather_model(model);
@@ -203,7 +235,7 @@ fn seeded<M: Module<AB>>(make: &dyn Fn() -> M) -> HashMap<String, Vec<f32>> {
 
 /// Trains `make()`'s model on one device and pipelined in every case (ranks as threads, DDP
 /// on the data-parallel axis), and compares.
-fn check<M: AutodiffModule<AB> + Staged<AB>>(
+fn check<M: Pipelineable>(
     name: &str,
     make: impl Fn() -> M + Sync,
     cases: &[(usize, usize, usize, ScheduleKind)],
