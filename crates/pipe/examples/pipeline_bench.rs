@@ -10,7 +10,7 @@
 //!     cargo run --release -p kiln-pipe --example pipeline_bench
 //!     (or bash scripts/bench-pipeline.sh)
 
-use burn::optim::AdamWConfig;
+use burn::optim::{AdamWConfig, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::shard::account::{MemKind, RankAlloc, attribute_to_rank};
 use kiln::shard::{ShardedOptimizer, StepConfig};
@@ -59,10 +59,13 @@ struct Measured {
     ideal: f64,
     /// Per stage: peak activation bytes in a step.
     activations: Vec<usize>,
+    /// Per stage: bytes of parameters and of AdamW state.
+    held: Vec<(usize, usize)>,
 }
 
-/// Per timed step: (compute, waiting, wall) seconds; and the peak activation bytes.
-type RankRun = (Vec<(f64, f64, f64)>, usize);
+/// Per timed step: (compute, waiting, wall) seconds; the peak activation bytes; the bytes of
+/// the stage's parameters and of its AdamW state at the end.
+type RankRun = (Vec<(f64, f64, f64)>, usize, usize, usize);
 
 /// `steps` steps (the first not timed) of this rank's stage.
 #[allow(clippy::too_many_arguments)]
@@ -114,7 +117,9 @@ fn run_rank(
             activations = activations.max(mem.peak_of(MemKind::Activations));
         }
     }
-    (out, activations)
+    let params = kiln::shard::account::param_bytes::<Flex, AB, _>(&model);
+    let state = kiln::shard::account::record_bytes::<AB, _>(optim.to_record());
+    (out, activations, params, state)
 }
 
 /// The pipeline's numbers from every rank's.
@@ -124,10 +129,10 @@ fn summarize(per_rank: &[RankRun], m: usize, schedule: ScheduleKind) -> Measured
     let mut stages = vec![(0.0, 0.0, 0.0); p];
     let mut bubble = 0.0;
     for step in 0..timed {
-        let makespan = per_rank.iter().map(|(s, _)| s[step].2).fold(0.0, f64::max);
-        let busy: f64 = per_rank.iter().map(|(s, _)| s[step].0).sum();
+        let makespan = per_rank.iter().map(|r| r.0[step].2).fold(0.0, f64::max);
+        let busy: f64 = per_rank.iter().map(|r| r.0[step].0).sum();
         bubble += 1.0 - busy / (p as f64 * makespan);
-        for (rank, (s, _)) in per_rank.iter().enumerate() {
+        for (rank, (s, ..)) in per_rank.iter().enumerate() {
             stages[rank].0 += s[step].0 / timed as f64;
             stages[rank].1 += s[step].1 / timed as f64;
             stages[rank].2 += s[step].2 / timed as f64;
@@ -138,7 +143,8 @@ fn summarize(per_rank: &[RankRun], m: usize, schedule: ScheduleKind) -> Measured
         stages,
         bubble: bubble / timed as f64,
         ideal: (p as f64 - 1.0) / (v * m as f64 + p as f64 - 1.0),
-        activations: per_rank.iter().map(|(_, a)| *a).collect(),
+        activations: per_rank.iter().map(|r| r.1).collect(),
+        held: per_rank.iter().map(|r| (r.2, r.3)).collect(),
     }
 }
 
@@ -208,7 +214,7 @@ fn measure_processes(
             assert!(out.status.success(), "a stage process failed");
             let text = String::from_utf8(out.stdout).unwrap();
             let mut steps = Vec::new();
-            let mut act = 0;
+            let (mut act, mut params, mut state) = (0, 0, 0);
             for line in text.lines() {
                 let f: Vec<&str> = line.split_whitespace().collect();
                 match f.first() {
@@ -217,11 +223,15 @@ fn measure_processes(
                         f[2].parse().unwrap(),
                         f[3].parse().unwrap(),
                     )),
-                    Some(&"ACT") => act = f[1].parse().unwrap(),
+                    Some(&"ACT") => {
+                        act = f[1].parse().unwrap();
+                        params = f[2].parse().unwrap();
+                        state = f[3].parse().unwrap();
+                    }
                     _ => {}
                 }
             }
-            (steps, act)
+            (steps, act, params, state)
         })
         .collect();
     summarize(&per_rank, m, schedule)
@@ -240,11 +250,12 @@ fn child(spec: &str) {
         Duration::from_micros(f[4].parse().unwrap()),
     );
     let world: Arc<dyn ProcessGroup> = Arc::new(kiln_comm::TcpGroup::from_env().unwrap());
-    let (steps, act) = run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay));
+    let (steps, act, params, state) =
+        run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay));
     for (c, w, wall) in steps {
         println!("STEP {c} {w} {wall}");
     }
-    println!("ACT {act}");
+    println!("ACT {act} {params} {state}");
 }
 
 fn report(what: &str, r: &Measured) {
@@ -289,6 +300,21 @@ fn main() {
         if m == 8 && schedule != (ScheduleKind::Interleaved { chunks: 2 }) {
             peaks.push((schedule, r.activations));
         }
+    }
+    // What a stage holds against one device (the same model as a 1-stage pipeline).
+    let one = measure(&make, 1, 8, ScheduleKind::OneFOneB, rows, seq, 2);
+    let two = measure(&make, 2, 8, ScheduleKind::OneFOneB, rows, seq, 2);
+    let (p1, s1) = one.held[0];
+    for (stage, (p, s)) in two.held.iter().enumerate() {
+        println!(
+            "held by stage {stage} of 2: parameters {:.2} MiB ({:.2} of one device's {:.2} MiB), AdamW state {:.2} MiB ({:.2} of {:.2} MiB)",
+            *p as f64 / (1 << 20) as f64,
+            *p as f64 / p1 as f64,
+            p1 as f64 / (1 << 20) as f64,
+            *s as f64 / (1 << 20) as f64,
+            *s as f64 / s1 as f64,
+            s1 as f64 / (1 << 20) as f64
+        );
     }
     if let [(_, gpipe), (_, one)] = &peaks[..] {
         for stage in 0..2 {

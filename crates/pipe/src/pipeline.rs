@@ -288,12 +288,13 @@ impl Pipeline {
         let mut total = 0.0;
         for mb in 0..microbatches {
             for chunk in (stage..=last).step_by(self.schedule.stages()) {
-                let carry = if chunk == 0 {
-                    Carry::Tokens(input(mb))
-                } else {
-                    let from = self.schedule.stage_of(chunk - 1);
-                    let (dims, values) = mail.take(Tag::Activation { mb, chunk }, from)?;
-                    Carry::Hidden(Tensor::from_data(TensorData::new(values, dims), &device))
+                let carry = match chunk {
+                    0 => Carry::Tokens(input(mb)),
+                    _ => Carry::Hidden(self.receive(
+                        &mut mail,
+                        Tag::Activation { mb, chunk },
+                        &device,
+                    )?),
                 };
                 let out = model
                     .forward_units(self.placement.chunk(chunk), carry)
@@ -301,16 +302,13 @@ impl Pipeline {
                 if chunk == last {
                     total += loss(out, mb).into_scalar().elem::<f64>();
                 } else {
-                    let (dims, values) = values_of(out);
-                    let to = self.schedule.stage_of(chunk + 1);
-                    mail.send(
+                    self.send(
+                        &mut mail,
                         Tag::Activation {
                             mb,
                             chunk: chunk + 1,
                         },
-                        to,
-                        &dims,
-                        &values,
+                        out,
                     )?;
                 }
             }
@@ -369,9 +367,8 @@ impl Pipeline {
                     let (x, carry) = if chunk == 0 {
                         (None, Carry::Tokens(input(mb)))
                     } else {
-                        let from = self.schedule.stage_of(chunk - 1);
-                        let (dims, values) = mail.take(Tag::Activation { mb, chunk }, from)?;
-                        let x = Tensor::<AB, 3>::from_data(TensorData::new(values, dims), &device)
+                        let x = self
+                            .receive::<AB>(&mut mail, Tag::Activation { mb, chunk }, &device)?
                             .require_grad();
                         (Some(x.clone()), Carry::Hidden(x))
                     };
@@ -392,18 +389,12 @@ impl Pipeline {
                         stats.compute += t.elapsed();
                         Kept::Loss(passes.scaled(l))
                     } else {
-                        let (dims, values) = values_of(out.clone());
                         stats.compute += t.elapsed();
-                        let to = self.schedule.stage_of(chunk + 1);
-                        mail.send(
-                            Tag::Activation {
-                                mb,
-                                chunk: chunk + 1,
-                            },
-                            to,
-                            &dims,
-                            &values,
-                        )?;
+                        let next = Tag::Activation {
+                            mb,
+                            chunk: chunk + 1,
+                        };
+                        self.send(&mut mail, next, out.clone())?;
                         Kept::Output(out)
                     };
                     alive.insert((mb, chunk), (x, kept, own));
@@ -415,11 +406,9 @@ impl Pipeline {
                     let root = match kept {
                         Kept::Loss(l) => l,
                         Kept::Output(y) => {
-                            let from = self.schedule.stage_of(chunk + 1);
-                            let (dims, values) = mail.take(Tag::Gradient { mb, chunk }, from)?;
-                            let g =
-                                Tensor::<AB, 3>::from_data(TensorData::new(values, dims), &device)
-                                    .cast(y.dtype());
+                            let g = self
+                                .receive::<AB>(&mut mail, Tag::Gradient { mb, chunk }, &device)?
+                                .cast(y.dtype());
                             // d(sum(y · g))/dθ = gᵀ ∂y/∂θ: backward from y with gradient g.
                             (y * g).sum()
                         }
@@ -432,19 +421,13 @@ impl Pipeline {
                     let dx = x.map(|x| x.grad(&grads).expect("a chunk's input reaches its output"));
                     acc.accumulate(model, GradientsParams::from_grads(grads, &own));
                     remark::<B, AB, M>(model);
-                    let dx = dx.map(|dx| values_of(Tensor::<AB, 3>::from_inner(dx)));
                     stats.compute += t.elapsed();
-                    if let Some((dims, values)) = dx {
-                        let to = self.schedule.stage_of(chunk - 1);
-                        mail.send(
-                            Tag::Gradient {
-                                mb,
-                                chunk: chunk - 1,
-                            },
-                            to,
-                            &dims,
-                            &values,
-                        )?;
+                    if let Some(dx) = dx {
+                        let back = Tag::Gradient {
+                            mb,
+                            chunk: chunk - 1,
+                        };
+                        self.send(&mut mail, back, Tensor::<AB, 3>::from_inner(dx))?;
                     }
                 }
             }
@@ -467,6 +450,40 @@ impl Pipeline {
             source: Box::new(source),
         })?;
         Ok((f64::from_bits(bits[0] as u64), grads, stats))
+    }
+
+    /// The tensor `tag` from the stage that sends it (an activation from the previous chunk's
+    /// stage, a gradient from the next chunk's).
+    fn receive<B: Backend>(
+        &self,
+        mail: &mut Mailbox<'_>,
+        tag: Tag,
+        device: &B::Device,
+    ) -> Result<Tensor<B, 3>, PipeError> {
+        let from = match tag {
+            Tag::Activation { chunk, .. } => self.schedule.stage_of(chunk - 1),
+            Tag::Gradient { chunk, .. } => self.schedule.stage_of(chunk + 1),
+            _ => unreachable!("shared parameters travel through their own path"),
+        };
+        let (dims, values) = mail.take(tag, from)?;
+        Ok(Tensor::from_data(TensorData::new(values, dims), device))
+    }
+
+    /// Sends `t` as `tag` to the stage of the tag's chunk.
+    fn send<B: Backend>(
+        &self,
+        mail: &mut Mailbox<'_>,
+        tag: Tag,
+        t: Tensor<B, 3>,
+    ) -> Result<(), PipeError> {
+        let to = match tag {
+            Tag::Activation { chunk, .. } | Tag::Gradient { chunk, .. } => {
+                self.schedule.stage_of(chunk)
+            }
+            _ => unreachable!("shared parameters travel through their own path"),
+        };
+        let (dims, values) = values_of(t);
+        mail.send(tag, to, &dims, &values)
     }
 
     /// The benchmark delay of one pass (`which` picks forward or backward), if any.
