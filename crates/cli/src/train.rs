@@ -25,6 +25,16 @@ pub struct TrainArgs {
     /// parallel.strategy: ddp, zero1, zero2, zero3 (fsdp), hybrid:S.
     #[arg(long)]
     strategy: Option<String>,
+    /// parallel.pp: pipeline stages; the ranks are pp stages x data-parallel ranks, the
+    /// strategy applying to each stage's data-parallel ranks.
+    #[arg(long)]
+    pp: Option<usize>,
+    /// parallel.microbatches: micro-batches per step of a pipeline.
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// parallel.schedule: the pipeline's schedule: gpipe, 1f1b or interleaved:V.
+    #[arg(long)]
+    schedule: Option<String>,
     /// train.remat: off; balanced (memory-bound ops recomputed in backward); budget=SIZE
     /// (activations held to SIZE per rank, e.g. budget=64MiB; the rest recomputed).
     #[arg(long)]
@@ -80,6 +90,12 @@ impl TrainArgs {
         put("train.steps", self.steps.map(|v| v.to_string()));
         put("parallel.ranks", self.ranks.map(|v| v.to_string()));
         put("parallel.strategy", self.strategy.clone().map(quote));
+        put("parallel.pp", self.pp.map(|v| v.to_string()));
+        put(
+            "parallel.microbatches",
+            self.microbatches.map(|v| v.to_string()),
+        );
+        put("parallel.schedule", self.schedule.clone().map(quote));
         put("train.remat", self.remat.clone().map(quote));
         put("train.precision", self.precision.clone().map(quote));
         put("data.source", self.data.clone().map(quote));

@@ -166,6 +166,15 @@ impl Pipeline {
         &self.schedule
     }
 
+    /// Whether this stage holds the parameter at `path` as a copy of another stage's (a tied
+    /// weight whose first stage is another): snapshots take it from its first stage.
+    pub fn holds_copy(&self, path: &str) -> bool {
+        let stage = self.stage();
+        self.shared
+            .iter()
+            .any(|s| s.path == path && s.stages[0] != stage && s.stages.contains(&stage))
+    }
+
     /// The stage that computes the loss (the last chunk's).
     pub fn last_stage(&self) -> usize {
         self.schedule.stage_of(self.schedule.chunks() - 1)

@@ -53,6 +53,9 @@ pub enum TrainError {
     /// directory for another base.
     #[error(transparent)]
     Lora(#[from] kiln_lora::LoraError),
+    /// A pipeline that does not fit, or a failed exchange between stages.
+    #[error(transparent)]
+    Pipe(#[from] kiln_pipe::PipeError),
     /// One rank's failure, in a run of ranks as threads (its error is the source).
     #[error("rank {rank} failed")]
     Rank {

@@ -7,11 +7,20 @@ use crate::run::Train;
 use crate::{LoraRecipe, Recipe, init};
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::module::AutodiffModule;
+use burn::optim::Optimizer;
 use burn::tensor::backend::Backend;
-use kiln_hf::{CausalLm, Pretrained};
+use burn::tensor::{Int, Tensor};
+use kiln_comm::ProcessGroup;
+use kiln_hf::{CausalLm, Pretrained, Staged, causal_lm_loss};
 use kiln_lora::Lora;
+use kiln_pipe::{Pipeline, PipelineConfig};
+use kiln_shard::{Shard, StepConfig};
 use std::marker::PhantomData;
 use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Inputs and next-token targets `[rows, seq]`, for evaluation on the inner backend.
+pub(crate) type TokenBatch<B> = (Tensor<Shard<B>, 2, Int>, Tensor<Shard<B>, 2, Int>);
 
 /// How the module a run trains is made and what it leaves behind.
 pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
@@ -31,6 +40,46 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
     /// The model's parameters, frozen and 4-bit ones included.
     fn params(&self, model: &Self::Model) -> usize {
         burn::module::Module::num_params(model)
+    }
+
+    /// Cuts the model for this rank's pipeline stage (before sharding). Only whole models are
+    /// pipelined.
+    fn pipeline(
+        &self,
+        _model: Self::Model,
+        _group: Arc<dyn ProcessGroup>,
+        _config: &PipelineConfig,
+    ) -> Result<(Pipeline, Self::Model)> {
+        fail!(
+            Recipe,
+            "LoRA fine-tuning is not pipelined: set parallel.pp = 1"
+        )
+    }
+
+    /// One pipelined step over this rank's rows `x`, `y` (cut into the pipeline's
+    /// micro-batches), through [`Pipeline::step`].
+    #[allow(clippy::too_many_arguments)]
+    fn pipe_step<O: Optimizer<Self::Model, Train<B, C>>>(
+        &self,
+        _pipe: &Pipeline,
+        _model: Self::Model,
+        _optim: &mut O,
+        _lr: f64,
+        _config: &StepConfig,
+        _x: &Tensor<Train<B, C>, 2, Int>,
+        _y: &Tensor<Train<B, C>, 2, Int>,
+    ) -> (Self::Model, kiln_shard::StepStats) {
+        unreachable!("only whole models are pipelined (checked with the recipe)")
+    }
+
+    /// The summed loss of `batches` (inputs, targets) through the pipeline, forward only.
+    fn pipe_evaluate(
+        &self,
+        _pipe: &Pipeline,
+        _model: &Self::Model,
+        _batches: &[TokenBatch<B>],
+    ) -> Result<f64> {
+        unreachable!("only whole models are pipelined (checked with the recipe)")
     }
 
     /// Writes what the run leaves besides snapshots (every rank calls it: reading a sharded
@@ -53,9 +102,58 @@ impl<B, C, M, K> Plan<B, C> for Full<M, K>
 where
     B: Backend,
     C: CheckpointStrategy,
-    M: Pretrained<Train<B, C>, Config = K> + CausalLm<Train<B, C>> + AutodiffModule<Train<B, C>>,
+    M: Pretrained<Train<B, C>, Config = K>
+        + CausalLm<Train<B, C>>
+        + AutodiffModule<Train<B, C>>
+        + Staged<Train<B, C>>,
+    M::InnerModule: Staged<Shard<B>>,
 {
     type Model = M;
+
+    fn pipeline(
+        &self,
+        model: M,
+        group: Arc<dyn ProcessGroup>,
+        config: &PipelineConfig,
+    ) -> Result<(Pipeline, M)> {
+        Ok(Pipeline::new(model, group, config)?)
+    }
+
+    fn pipe_step<O: Optimizer<M, Train<B, C>>>(
+        &self,
+        pipe: &Pipeline,
+        model: M,
+        optim: &mut O,
+        lr: f64,
+        config: &StepConfig,
+        x: &Tensor<Train<B, C>, 2, Int>,
+        y: &Tensor<Train<B, C>, 2, Int>,
+    ) -> (M, kiln_shard::StepStats) {
+        let m = pipe.schedule().microbatches();
+        let [rows, seq] = x.dims();
+        let per = rows / m;
+        let cut = |t: &Tensor<Train<B, C>, 2, Int>, mb: usize| {
+            t.clone().slice([mb * per..(mb + 1) * per, 0..seq])
+        };
+        let (model, stats, _) = pipe.step(
+            model,
+            optim,
+            lr,
+            config,
+            |mb| cut(x, mb),
+            |logits, mb| causal_lm_loss(logits, cut(y, mb)).div_scalar(m as f64),
+        );
+        (model, stats)
+    }
+
+    fn pipe_evaluate(&self, pipe: &Pipeline, model: &M, batches: &[TokenBatch<B>]) -> Result<f64> {
+        Ok(pipe.evaluate(
+            &model.valid(),
+            batches.len(),
+            |mb| batches[mb].0.clone(),
+            |logits, mb| causal_lm_loss(logits, batches[mb].1.clone()),
+        )?)
+    }
 
     fn create(&self, _: &Recipe, device: &B::Device) -> Result<M> {
         Ok(M::from_config(&self.config, device))

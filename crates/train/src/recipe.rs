@@ -327,10 +327,28 @@ pub struct ParallelRecipe {
     /// starts during backward).
     #[serde(default)]
     pub bucket_kib: usize,
+    /// Pipeline stages (1: none). The world is `pp` stages x data-parallel ranks; the
+    /// strategy applies to each stage's data-parallel ranks.
+    #[serde(default = "one")]
+    pub pp: usize,
+    /// Micro-batches per step of a pipeline (each data-parallel rank's rows are cut into them).
+    #[serde(default = "one")]
+    pub microbatches: usize,
+    /// The pipeline's schedule: `gpipe`, `1f1b` or `interleaved:V`.
+    #[serde(default = "one_f_one_b")]
+    pub schedule: String,
 }
 
 fn yes() -> bool {
     true
+}
+
+fn one() -> usize {
+    1
+}
+
+fn one_f_one_b() -> String {
+    "1f1b".into()
 }
 
 impl Default for ParallelRecipe {
@@ -342,6 +360,9 @@ impl Default for ParallelRecipe {
             backend: "tcp".into(),
             overlap: true,
             bucket_kib: 0,
+            pp: 1,
+            microbatches: 1,
+            schedule: one_f_one_b(),
         }
     }
 }
@@ -537,24 +558,66 @@ impl Recipe {
                 self.parallel.world_size
             );
         }
-        if !self.train.batch_size.is_multiple_of(world) {
+        let p = &self.parallel;
+        if p.pp == 0 || !world.is_multiple_of(p.pp) {
             fail!(
                 World,
-                "train.batch_size ({}) must be a multiple of the world size ({world}): each rank \
+                "parallel.pp ({}) must divide the world size ({world}): the world is pp stages x \
+                 data-parallel ranks",
+                p.pp
+            );
+        }
+        let dp = world / p.pp;
+        if !self.train.batch_size.is_multiple_of(dp) {
+            fail!(
+                World,
+                "train.batch_size ({}) must be a multiple of the data-parallel ranks ({dp}): each \
                  takes an equal share of the global batch",
                 self.train.batch_size
             );
         }
+        if p.pp > 1 {
+            self.schedule()?;
+            let rows = self.train.batch_size / dp;
+            if p.microbatches == 0 || !rows.is_multiple_of(p.microbatches) {
+                fail!(
+                    World,
+                    "parallel.microbatches ({}) must divide each data-parallel rank's {rows} rows \
+                     (train.batch_size {} over {dp} ranks)",
+                    p.microbatches,
+                    self.train.batch_size
+                );
+            }
+            if self.lora.is_some() {
+                fail!(
+                    Recipe,
+                    "LoRA fine-tuning is not pipelined: set parallel.pp = 1"
+                );
+            }
+        }
         if let kiln_shard::Strategy::Hybrid { shard_size } = self.strategy()?
-            && (shard_size == 0 || !world.is_multiple_of(shard_size))
+            && (shard_size == 0 || !dp.is_multiple_of(shard_size))
         {
             fail!(
                 World,
-                "parallel.strategy hybrid:{shard_size} needs a world size divisible by \
-                 {shard_size}, got {world}"
+                "parallel.strategy hybrid:{shard_size} needs data-parallel ranks divisible by \
+                 {shard_size}, got {dp}"
             );
         }
         Ok(())
+    }
+
+    /// The pipeline schedule.
+    ///
+    /// # Errors
+    /// An unknown schedule name.
+    pub fn schedule(&self) -> Result<kiln_pipe::ScheduleKind> {
+        self.parallel
+            .schedule
+            .parse()
+            .map_err(|e: kiln_pipe::PipeError| {
+                TrainError::Recipe(format!("parallel.schedule: {e}"))
+            })
     }
 
     /// The recipe as TOML (written next to the run's outputs).

@@ -19,6 +19,8 @@ pub struct RunInfo {
     pub params: usize,
     /// What trains, when only part of the model does (LoRA adapters).
     pub trains: Option<String>,
+    /// The pipeline: stages, micro-batches, schedule and what each stage runs.
+    pub pipeline: Option<String>,
     /// The strategy, as the recipe names it.
     pub strategy: String,
     /// The rematerialisation mode (`train.remat`).
@@ -202,6 +204,9 @@ impl RunInfo {
                 None => format!("output: {}", self.out.display()),
             },
         ];
+        if let Some(pipeline) = &self.pipeline {
+            lines.insert(1, pipeline.clone());
+        }
         if let Some(trains) = &self.trains {
             lines.insert(1, trains.clone());
         }
@@ -402,6 +407,7 @@ mod tests {
             model_kind: "gpt2".into(),
             params: 121_000,
             trains: None,
+            pipeline: None,
             strategy: "zero3".into(),
             remat: "off".into(),
             precision: "f32".into(),

@@ -252,8 +252,11 @@ fn by_plan<B, C, M>(job: Job<'_, B>, config: M::Config) -> Result<Summary>
 where
     B: Backend,
     C: CheckpointStrategy,
-    M: Pretrained<Train<B, C>> + CausalLm<Train<B, C>> + AutodiffModule<Train<B, C>>,
-    M::InnerModule: CausalLm<Shard<B>>,
+    M: Pretrained<Train<B, C>>
+        + CausalLm<Train<B, C>>
+        + AutodiffModule<Train<B, C>>
+        + kiln_hf::Staged<Train<B, C>>,
+    M::InnerModule: CausalLm<Shard<B>> + kiln_hf::Staged<Shard<B>>,
     Lora<Train<B, C>, M>: AutodiffModule<Train<B, C>>,
     <Lora<Train<B, C>, M> as AutodiffModule<Train<B, C>>>::InnerModule: CausalLm<Shard<B>>,
 {
@@ -321,10 +324,47 @@ where
         report,
     } = job;
     let (rank, world) = (group.rank(), group.world_size());
+    let pp = recipe.parallel.pp;
+    // A pipeline's world is pp stages x data-parallel ranks (DeviceMesh, stages outermost):
+    // the strategy shards the model, and the batch is split, over the data-parallel group.
+    let (dp_group, pp_group) = if pp > 1 {
+        let shape = kiln_comm::MeshShape {
+            pp,
+            dp_shard: world / pp,
+            ..Default::default()
+        };
+        let groups = kiln_comm::DeviceMesh::new(world, shape)?.groups(group.as_ref())?;
+        (groups.dp.clone(), Some(groups.pp.clone()))
+    } else {
+        (group.clone(), None)
+    };
+    let (dp_rank, dp_world) = (dp_group.rank(), dp_group.world_size());
     let mut silent = Silent;
     let report: &mut dyn Report = if rank == 0 { report } else { &mut silent };
     let t = &recipe.train;
     let strategy = recipe.strategy()?;
+    if pp > 1
+        && group.backend() == "local"
+        && matches!(
+            strategy,
+            kiln_shard::Strategy::Zero3 | kiln_shard::Strategy::Hybrid { .. }
+        )
+    {
+        fail!(
+            Recipe,
+            "parallel.strategy {strategy} with parallel.pp {pp} needs ranks as processes (kiln \
+             launch): with stages as threads of one process, Burn's process-wide autodiff graph \
+             clean-up can deadlock a stage's backward all-gathers against another stage's sends. \
+             Use ddp, zero1 or zero2, or kiln launch"
+        );
+    }
+    if pp > 1 && recipe.model.from.is_some() {
+        fail!(
+            Recipe,
+            "model.from with parallel.pp > 1 is not supported yet: each stage would load the \
+             whole checkpoint into its placeholders; train from scratch or set parallel.pp = 1"
+        );
+    }
     let out = &recipe.output.dir;
     let snapshots = out.join("snapshots");
 
@@ -384,6 +424,19 @@ where
 
     let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len, tokenizer)?;
     let model = plan.create(recipe, device)?;
+    let (pipe, model) = match &pp_group {
+        Some(stages) => {
+            let config = kiln_pipe::PipelineConfig {
+                stages: pp,
+                microbatches: recipe.parallel.microbatches,
+                schedule: recipe.schedule()?,
+                split: kiln_pipe::Split::Balanced,
+            };
+            let (pipe, model) = plan.pipeline(model, stages.clone(), &config)?;
+            (Some(pipe), model)
+        }
+        None => (None, model),
+    };
     let bucket_bytes = match recipe.parallel.bucket_kib {
         // A quarter of the f32 parameter bytes.
         0 => model.num_params().clamp(256 << 10, 25 << 20),
@@ -392,7 +445,10 @@ where
     let shard_config = ShardConfig::new(strategy)
         .with_overlap(recipe.parallel.overlap)
         .with_bucket_bytes(bucket_bytes);
-    let model: P::Model = kiln_shard::shard(model, group.clone(), shard_config)?;
+    let model: P::Model = kiln_shard::shard(model, dp_group.clone(), shard_config)?;
+    // Memory is counted per world rank (sharding counted it by the data-parallel group's rank,
+    // which pipeline stages share).
+    kiln_shard::account::attribute_to_rank(rank);
     let optim_config = AdamWConfig::new()
         .with_beta_1(t.beta1 as f32)
         .with_beta_2(t.beta2 as f32)
@@ -442,6 +498,15 @@ where
         model_kind: spec.kind().into(),
         params: plan.params(&model),
         trains: plan.describe(&model),
+        pipeline: pipe.as_ref().map(|pipe| {
+            format!(
+                "pipeline: {pp} stages x {dp_world} data-parallel ranks, {} micro-batches per \
+                 step, {}; {}",
+                recipe.parallel.microbatches,
+                recipe.parallel.schedule,
+                pipe.placement().to_string().trim_end().replace('\n', "; ")
+            )
+        }),
         strategy: strategy.to_string(),
         remat: t.remat.clone(),
         precision: precision.name().into(),
@@ -486,6 +551,25 @@ where
         precision,
         ..Default::default()
     };
+    // The validation loss: through the pipeline's stages, or each rank's whole model.
+    let validate = |model: &P::Model| -> Result<Option<f64>> {
+        match &pipe {
+            None => evaluate::<B, C, P::Model>(model, &corpus, recipe, group.as_ref(), device),
+            Some(pipe) if t.eval_batches > 0 => {
+                let batches: Vec<_> = validation_batches(&corpus, t, dp_rank, dp_world)
+                    .iter()
+                    .map(|b| tensors::<Shard<B>>(b, device))
+                    .collect();
+                let total =
+                    kiln_shard::autocast(precision, || plan.pipe_evaluate(pipe, model, &batches))?;
+                Ok(Some(all_mean(
+                    group.as_ref(),
+                    total / t.eval_batches as f64,
+                )?))
+            }
+            Some(_) => Ok(None),
+        }
+    };
     // Exposed communication: how long this rank's thread waits on collectives during steps.
     let (mut step_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
     // This rank's most demanding step, by heap peak.
@@ -493,13 +577,12 @@ where
     // Fine-tuning: the base's validation loss and sample, to compare with the end's.
     let (mut val_loss_before, mut sample_before) = (None, None);
     if first_step == 0 && recipe.lora.is_some() {
-        val_loss_before =
-            evaluate::<B, C, P::Model>(&model, &corpus, recipe, group.as_ref(), device)?;
+        val_loss_before = validate(&model)?;
         if let Some(v) = val_loss_before {
             metrics.record(serde_json::json!({"step": 0, "val_loss": v}))?;
             report.report(Event::Validated { step: 0, loss: v });
         }
-        if t.sample_chars > 0 {
+        if t.sample_chars > 0 && pipe.is_none() {
             sample_before = Some(sample_text(
                 &model, &corpus, tokenizer, t, precision, device,
             ));
@@ -514,17 +597,20 @@ where
             &mut rng,
             t.batch_size,
             t.seq_len,
-            rank,
-            world,
+            dp_rank,
+            dp_world,
         );
         let (x, y) = tensors::<Train<B, C>>(&b, device);
         let config = kiln_shard::StepConfig {
             loss_scale,
             ..step_config
         };
-        let (stepped, stats) = kiln_shard::step(model, &mut optim, lr, &config, |m, _| {
-            causal_lm_loss(m.forward(x.clone()), y.clone())
-        });
+        let (stepped, stats) = match &pipe {
+            Some(pipe) => plan.pipe_step(pipe, model, &mut optim, lr, &config, &x, &y),
+            None => kiln_shard::step(model, &mut optim, lr, &config, |m, _| {
+                causal_lm_loss(m.forward(x.clone()), y.clone())
+            }),
+        };
         model = stepped;
         loss_scale = stats.loss_scale;
         if stats.skipped {
@@ -579,7 +665,7 @@ where
         }));
 
         if t.eval_every > 0 && step.is_multiple_of(t.eval_every) || step == last_step {
-            val_loss = evaluate::<B, C, P::Model>(&model, &corpus, recipe, group.as_ref(), device)?;
+            val_loss = validate(&model)?;
             evaluated_at = Some(step);
             if let Some(v) = val_loss {
                 metrics.record(serde_json::json!({"step": step, "val_loss": v}))?;
@@ -599,16 +685,25 @@ where
                 loss_scale: loss_scale.map(|s| (s.scale, s.good_steps)),
                 recipe: recipe.to_toml(),
             };
-            let dir = save::<B, C, P::Model>(&model, &optim, &meta, group.as_ref(), recipe)?;
+            let dir = save::<B, C, P::Model>(
+                &model,
+                &optim,
+                &meta,
+                group.as_ref(),
+                dp_group.as_ref(),
+                pipe.as_ref(),
+                recipe,
+            )?;
             report.report(Event::Saved { step, dir: &dir });
             last_snapshot = Some(dir);
         }
     }
     if evaluated_at != Some(last_step) {
-        val_loss = evaluate::<B, C, P::Model>(&model, &corpus, recipe, group.as_ref(), device)?;
+        val_loss = validate(&model)?;
     }
 
-    let sample = (t.sample_chars > 0 && last_step == t.steps)
+    // A pipelined model is whole on no rank: samples are not drawn (yet).
+    let sample = (t.sample_chars > 0 && last_step == t.steps && pipe.is_none())
         .then(|| sample_text(&model, &corpus, tokenizer, t, precision, device));
     let outputs = if last_step == t.steps {
         plan.finish(&model, recipe, rank)?
@@ -775,11 +870,17 @@ fn part_of<B: Backend>(name: String, t: &ShardTensor<B>, world: usize, rank: usi
     }
 }
 
+/// Writes a snapshot: every rank its part of what it holds. `dp` is the group of ranks that
+/// hold the same parameters (the world, or a pipeline stage's data-parallel ranks); a stage
+/// writes neither the placeholders of other stages' parameters nor its copies of shared ones.
+#[allow(clippy::too_many_arguments)]
 fn save<B, C, M>(
     model: &M,
     optim: &ShardedOptimizer<OptimizerAdaptor<AdamW, M, Train<B, C>>, B>,
     meta: &Meta,
     group: &dyn ProcessGroup,
+    dp: &dyn ProcessGroup,
+    pipe: Option<&kiln_pipe::Pipeline>,
     recipe: &Recipe,
 ) -> Result<PathBuf>
 where
@@ -787,12 +888,15 @@ where
     C: CheckpointStrategy,
     M: AutodiffModule<Train<B, C>>,
 {
-    let (world, rank) = (group.world_size(), group.rank());
+    let (world, rank) = (dp.world_size(), dp.rank());
     let mut parts = Vec::new();
     // Frozen parameters (a LoRA base) never change: the snapshot holds what trains.
     let trainable = trainable_paths::<B, C, M>(model);
+    let other_stage = |path: &str, t: &ShardTensor<B>| {
+        t.shape().num_elements() == 0 || pipe.is_some_and(|p| p.holds_copy(path))
+    };
     pieces::visit_params::<B, Train<B, C>, M>(model, |path, _, t| {
-        if trainable.contains(path) {
+        if trainable.contains(path) && !other_stage(path, t) {
             parts.push(part_of(format!("{TENSOR_PREFIX}{path}"), t, world, rank));
         }
     });
@@ -804,6 +908,9 @@ where
     };
     model.visit(&mut moments);
     for (path, m1, m2) in moments.out {
+        if other_stage(&path, &m1) {
+            continue;
+        }
         parts.push(part_of(format!("{M1_PREFIX}{path}"), &m1, world, rank));
         parts.push(part_of(format!("{M2_PREFIX}{path}"), &m2, world, rank));
     }
@@ -885,8 +992,8 @@ where
     let mut error = None;
     let trainable = trainable_paths::<B, C, M>(&model);
     let model = pieces::map_params::<B, Train<B, C>, M>(model, |path, t| {
-        if !trainable.contains(path) {
-            // Frozen: loaded from the base, as at the start.
+        if !trainable.contains(path) || t.shape().num_elements() == 0 {
+            // Frozen: loaded from the base, as at the start. Empty: another pipeline stage's.
             return pieces::piece(t).values.to_vec();
         }
         let range = held_range(t);
@@ -962,6 +1069,9 @@ where
                 return; // Not trained yet (or frozen): no state.
             }
             let shape = param.val().dims().to_vec();
+            if shape.iter().product::<usize>() == 0 {
+                return; // Another pipeline stage's parameter.
+            }
             let moments = self
                 .moment::<D>(m1, &shape)
                 .and_then(|a| Ok((a, self.moment::<D>(format!("{M2_PREFIX}{path}"), &shape)?)));
