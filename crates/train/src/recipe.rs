@@ -569,10 +569,14 @@ impl Recipe {
         }
         let dp = world / p.pp;
         if !self.train.batch_size.is_multiple_of(dp) {
+            let ranks = match p.pp {
+                1 => format!("the world size ({world})"),
+                pp => format!("the data-parallel ranks ({dp} = {world} ranks / {pp} stages)"),
+            };
             fail!(
                 World,
-                "train.batch_size ({}) must be a multiple of the data-parallel ranks ({dp}): each \
-                 takes an equal share of the global batch",
+                "train.batch_size ({}) must be a multiple of {ranks}: each rank takes an equal \
+                 share of the global batch",
                 self.train.batch_size
             );
         }
