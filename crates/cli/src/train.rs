@@ -35,6 +35,10 @@ pub struct TrainArgs {
     /// parallel.schedule: the pipeline's schedule: gpipe, 1f1b or interleaved:V.
     #[arg(long)]
     schedule: Option<String>,
+    /// parallel.split: the units where the pipeline's chunks after the first start
+    /// (e.g. h.2,h.5); default: chunks balanced by parameter count.
+    #[arg(long)]
+    pp_split: Option<String>,
     /// train.remat: off; balanced (memory-bound ops recomputed in backward); budget=SIZE
     /// (activations held to SIZE per rank, e.g. budget=64MiB; the rest recomputed).
     #[arg(long)]
@@ -96,6 +100,7 @@ impl TrainArgs {
             self.microbatches.map(|v| v.to_string()),
         );
         put("parallel.schedule", self.schedule.clone().map(quote));
+        put("parallel.split", self.pp_split.clone().map(quote));
         put("train.remat", self.remat.clone().map(quote));
         put("train.precision", self.precision.clone().map(quote));
         put("data.source", self.data.clone().map(quote));

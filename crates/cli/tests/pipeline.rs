@@ -145,6 +145,41 @@ fn a_pipelined_run_trains_as_one_rank_and_its_snapshots_move_between_layouts() {
 }
 
 #[test]
+fn a_pipeline_starts_from_a_pretrained_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    run_ok(train(&path("base"), 4, &[]));
+    let out = Command::new(KILN)
+        .arg("export")
+        .arg(path("base"))
+        .arg("--out")
+        .arg(path("hf"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    // Each stage loads only the weights it holds (the others are placeholders).
+    let from = format!("model.from=\"{}\"", path("hf").display());
+    run_ok(train(&path("one"), 4, &["--set", &from]));
+    run_ok(train(
+        &path("pp"),
+        4,
+        &[
+            "--set",
+            &from,
+            "--ranks",
+            "2",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+        ],
+    ));
+    let err = loss_error(&losses(&path("pp")), &losses(&path("one")));
+    println!("from a pretrained directory, pp 2 vs one rank: losses within {err:.1e}");
+    assert!(err <= 1e-5, "{:?}", losses(&path("pp")));
+}
+
+#[test]
 fn a_killed_pipelined_run_of_two_processes_resumes_with_the_same_losses() {
     let dir = tempfile::tempdir().unwrap();
     let (whole, cut) = (dir.path().join("whole"), dir.path().join("cut"));
@@ -213,6 +248,10 @@ fn bad_pipelines_are_named() {
         (
             &["--ranks", "2", "--pp", "2", "--schedule", "2f2b"][..],
             "unknown schedule \"2f2b\"",
+        ),
+        (
+            &["--ranks", "2", "--pp", "2", "--pp-split", "h.7"][..],
+            "split point \"h.7\" is not a unit of the model (embed, h.0, head)",
         ),
         (
             &["--ranks", "4", "--pp", "4"][..],

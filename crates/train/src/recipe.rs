@@ -337,6 +337,10 @@ pub struct ParallelRecipe {
     /// The pipeline's schedule: `gpipe`, `1f1b` or `interleaved:V`.
     #[serde(default = "one_f_one_b")]
     pub schedule: String,
+    /// Where the pipeline's chunks start, as unit names after the first chunk (`h.2,h.5`;
+    /// the start of a run prints the units), or empty: chunks balanced by parameter count.
+    #[serde(default)]
+    pub split: String,
 }
 
 fn yes() -> bool {
@@ -363,6 +367,7 @@ impl Default for ParallelRecipe {
             pp: 1,
             microbatches: 1,
             schedule: one_f_one_b(),
+            split: String::new(),
         }
     }
 }
@@ -609,6 +614,14 @@ impl Recipe {
             );
         }
         Ok(())
+    }
+
+    /// How the pipeline cuts the model's units.
+    pub fn split(&self) -> kiln_pipe::Split {
+        match self.parallel.split.trim() {
+            "" => kiln_pipe::Split::Balanced,
+            s => kiln_pipe::Split::At(s.split(',').map(|u| u.trim().to_string()).collect()),
+        }
     }
 
     /// The pipeline schedule.

@@ -358,13 +358,6 @@ where
              Use ddp, zero1 or zero2, or kiln launch"
         );
     }
-    if pp > 1 && recipe.model.from.is_some() {
-        fail!(
-            Recipe,
-            "model.from with parallel.pp > 1 is not supported yet: each stage would load the \
-             whole checkpoint into its placeholders; train from scratch or set parallel.pp = 1"
-        );
-    }
     let out = &recipe.output.dir;
     let snapshots = out.join("snapshots");
 
@@ -430,7 +423,7 @@ where
                 stages: pp,
                 microbatches: recipe.parallel.microbatches,
                 schedule: recipe.schedule()?,
-                split: kiln_pipe::Split::Balanced,
+                split: recipe.split(),
             };
             let (pipe, model) = plan.pipeline(model, stages.clone(), &config)?;
             (Some(pipe), model)

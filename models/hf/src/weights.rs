@@ -91,7 +91,9 @@ impl<B: Backend, K: FnMut(&str) -> bool> ModuleMapper<B> for Loader<'_, K> {
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let path = self.path.path();
-        if self.error.is_some() || !(self.keep)(&path) {
+        // An empty parameter is a placeholder (another pipeline stage's, a QLoRA weight kept
+        // elsewhere): nothing of the file goes there.
+        if self.error.is_some() || !(self.keep)(&path) || param.lazy_shape().num_elements() == 0 {
             return param;
         }
         let hf = (self.naming)(&path);
