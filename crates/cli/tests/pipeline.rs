@@ -80,7 +80,7 @@ fn a_pipelined_run_trains_as_one_rank_and_its_snapshots_move_between_layouts() {
     let dir = tempfile::tempdir().unwrap();
     let path = |name: &str| dir.path().join(name);
     let steps = 8;
-    run_ok(train(&path("one"), steps, &[]));
+    let one_out = run_ok(train(&path("one"), steps, &[]));
     let out = run_ok(train(
         &path("pp"),
         steps,
@@ -94,6 +94,12 @@ fn a_pipelined_run_trains_as_one_rank_and_its_snapshots_move_between_layouts() {
     ] {
         assert!(out.contains(needle), "{needle:?} in:\n{out}");
     }
+    // The sample is drawn through the stages: the same text as one rank's.
+    let sample = |out: &str| {
+        let at = out.find("sample (prompt|generated):").expect("a sample");
+        out[at..].lines().nth(1).unwrap_or_default().to_string()
+    };
+    assert_eq!(sample(&out), sample(&one_out));
     let (one, pp) = (losses(&path("one")), losses(&path("pp")));
     assert_eq!(pp.len(), steps);
     let err = loss_error(&pp, &one);

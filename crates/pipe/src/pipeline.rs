@@ -333,6 +333,67 @@ impl Pipeline {
         Ok(f64::from_bits(bits[0] as u64))
     }
 
+    /// The logits `[vocab]` of the token after `tokens` (one sequence), through the stages,
+    /// on every stage (for sampling: every stage then draws the same token). `vocab` is the
+    /// model's vocabulary (a stage may hold none of the layers that know it).
+    ///
+    /// # Errors
+    /// A send or receive between stages failed.
+    pub fn last_logits<B: Backend, M: Staged<B>>(
+        &self,
+        model: &M,
+        tokens: &[i64],
+        vocab: usize,
+    ) -> Result<Vec<f32>, PipeError> {
+        let stage = self.stage();
+        let device = model
+            .devices()
+            .into_iter()
+            .next()
+            .expect("a model with parameters");
+        let last = self.schedule.chunks() - 1;
+        let len = tokens.len();
+        let mut mail = Mailbox::new(&*self.group);
+        let mut logits = vec![0f32; vocab];
+        for chunk in (stage..=last).step_by(self.schedule.stages()) {
+            let carry = match chunk {
+                0 => Carry::Tokens(Tensor::from_data(
+                    TensorData::new(tokens.to_vec(), [1, len]),
+                    &device,
+                )),
+                _ => Carry::Hidden(self.receive(
+                    &mut mail,
+                    Tag::Activation { mb: 0, chunk },
+                    &device,
+                )?),
+            };
+            let out = model
+                .forward_units(self.placement.chunk(chunk), carry)
+                .hidden();
+            if chunk == last {
+                let (_, values) = values_of(out.slice([0..1, len - 1..len, 0..vocab]));
+                logits = values;
+            } else {
+                self.send(
+                    &mut mail,
+                    Tag::Activation {
+                        mb: 0,
+                        chunk: chunk + 1,
+                    },
+                    out,
+                )?;
+            }
+        }
+        self.group
+            .broadcast(BufMut::F32(&mut logits), self.last_stage())
+            .map_err(|source| PipeError::Comm {
+                stage,
+                what: "sharing the next token's logits".into(),
+                source: Box::new(source),
+            })?;
+        Ok(logits)
+    }
+
     /// The schedule's passes: the step's loss (on every stage) and this stage's gradients,
     /// reduced over the data-parallel group.
     fn backprop<B, AB, M>(

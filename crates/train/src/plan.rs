@@ -82,6 +82,17 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
         unreachable!("only whole models are pipelined (checked with the recipe)")
     }
 
+    /// The logits of the token after `window` through the pipeline (for sampling).
+    fn pipe_last_logits(
+        &self,
+        _pipe: &Pipeline,
+        _model: &Self::Model,
+        _window: &[i64],
+        _vocab: usize,
+    ) -> Result<Vec<f32>> {
+        unreachable!("only whole models are pipelined (checked with the recipe)")
+    }
+
     /// Writes what the run leaves besides snapshots (every rank calls it: reading a sharded
     /// parameter is collective; rank 0 writes). Returns what was written, and where.
     fn finish(
@@ -144,6 +155,16 @@ where
             |logits, mb| causal_lm_loss(logits, cut(y, mb)).div_scalar(m as f64),
         );
         (model, stats)
+    }
+
+    fn pipe_last_logits(
+        &self,
+        pipe: &Pipeline,
+        model: &M,
+        window: &[i64],
+        vocab: usize,
+    ) -> Result<Vec<f32>> {
+        Ok(pipe.last_logits(&model.valid(), window, vocab)?)
     }
 
     fn pipe_evaluate(&self, pipe: &Pipeline, model: &M, batches: &[TokenBatch<B>]) -> Result<f64> {

@@ -34,6 +34,7 @@ use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
 use kiln_hf::{
     CausalLm, GenerateConfig, Pretrained, Sampling, Tokenizer, causal_lm_loss, generate,
+    generate_with,
 };
 use kiln_lora::Lora;
 use kiln_shard::LossScale;
@@ -563,6 +564,17 @@ where
             Some(_) => Ok(None),
         }
     };
+    // A sample of the model's text: through the pipeline's stages, or each rank's whole model.
+    let vocab = spec.vocab_size();
+    let sample = |model: &P::Model| {
+        let logits = |window: &[i64]| {
+            let pipe = pipe.as_ref().expect("pipelined");
+            plan.pipe_last_logits(pipe, model, window, vocab)
+                .unwrap_or_else(|e| panic!("kiln: sampling through the pipeline: {e}"))
+        };
+        let pipelined: Option<&NextLogits> = pipe.is_some().then_some(&logits);
+        sample_text(model, &corpus, tokenizer, t, precision, device, pipelined)
+    };
     // Exposed communication: how long this rank's thread waits on collectives during steps.
     let (mut step_time, mut wait_time) = (Duration::ZERO, Duration::ZERO);
     // This rank's most demanding step, by heap peak.
@@ -575,10 +587,8 @@ where
             metrics.record(serde_json::json!({"step": 0, "val_loss": v}))?;
             report.report(Event::Validated { step: 0, loss: v });
         }
-        if t.sample_chars > 0 && pipe.is_none() {
-            sample_before = Some(sample_text(
-                &model, &corpus, tokenizer, t, precision, device,
-            ));
+        if t.sample_chars > 0 {
+            sample_before = Some(sample(&model));
         }
     }
     for step in first_step + 1..=last_step {
@@ -695,9 +705,7 @@ where
         val_loss = validate(&model)?;
     }
 
-    // A pipelined model is whole on no rank: samples are not drawn (yet).
-    let sample = (t.sample_chars > 0 && last_step == t.steps && pipe.is_none())
-        .then(|| sample_text(&model, &corpus, tokenizer, t, precision, device));
+    let sample = (t.sample_chars > 0 && last_step == t.steps).then(|| sample(&model));
     let outputs = if last_step == t.steps {
         plan.finish(&model, recipe, rank)?
     } else {
@@ -740,6 +748,9 @@ where
     Ok(summary)
 }
 
+/// The logits of the token after a window of token ids (a pipeline's, through its stages).
+type NextLogits<'a> = dyn Fn(&[i64]) -> Vec<f32> + 'a;
+
 /// A continuation of the validation text's start, sampled at temperature 0.8 (every rank
 /// generates: a ZeRO-3 forward gathers parameters; rank 0 prints).
 fn sample_text<B, C, M>(
@@ -749,6 +760,7 @@ fn sample_text<B, C, M>(
     t: &crate::TrainRecipe,
     precision: kiln_shard::Precision,
     device: &B::Device,
+    pipelined: Option<&NextLogits>,
 ) -> String
 where
     B: Backend,
@@ -771,7 +783,12 @@ where
         stop_token: None,
     };
     let new = kiln_shard::autocast(precision, || {
-        generate(&model.valid(), &prompt, &config, device)
+        let inner = model.valid();
+        match pipelined {
+            // Through the stages: every stage gets the logits and draws the same token.
+            Some(logits) => generate_with(&prompt, &config, inner.max_seq_len(), logits),
+            None => generate(&inner, &prompt, &config, device),
+        }
     });
     format!("{}|{}", tokenizer.decode(&prompt), tokenizer.decode(&new))
 }

@@ -40,7 +40,7 @@ pub use config::{
 pub use error::HfError;
 pub use lm::{
     CausalLm, GenerateConfig, Sampling, attention_softmax, causal_lm_loss, causal_mask, generate,
-    masked_scores, tied_logits,
+    generate_with, masked_scores, tied_logits,
 };
 pub use pretrained::Pretrained;
 pub use reference::{AdamWSettings, Reference};

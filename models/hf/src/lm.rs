@@ -165,6 +165,33 @@ pub fn generate<B: Backend, M: CausalLm<B>>(
     config: &GenerateConfig,
     device: &B::Device,
 ) -> Vec<u32> {
+    generate_with(prompt, config, model.max_seq_len(), |window| {
+        let len = window.len();
+        let input =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(window.to_vec(), [1, len]), device);
+        let logits = model.forward(input);
+        let vocab = logits.dims()[2];
+        logits
+            .slice([0..1, len - 1..len, 0..vocab])
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("converted to f32")
+    })
+}
+
+/// [`generate`] with the model given as `next_logits(window)`: the logits of the token after
+/// `window` (the last `max_seq_len` tokens so far). A pipeline computes them over its stages;
+/// every rank that calls this with the same logits draws the same tokens.
+///
+/// # Panics
+/// If `prompt` is empty, or the temperature is not positive.
+pub fn generate_with(
+    prompt: &[u32],
+    config: &GenerateConfig,
+    max_seq_len: Option<usize>,
+    mut next_logits: impl FnMut(&[i64]) -> Vec<f32>,
+) -> Vec<u32> {
     assert!(!prompt.is_empty(), "generate: the prompt is empty");
     let mut rng = match config.sampling {
         Sampling::Greedy => SplitMix64(0),
@@ -179,20 +206,9 @@ pub fn generate<B: Backend, M: CausalLm<B>>(
     let mut tokens: Vec<u32> = prompt.to_vec();
     let mut new = Vec::with_capacity(config.max_new_tokens);
     for _ in 0..config.max_new_tokens {
-        let start = model
-            .max_seq_len()
-            .map_or(0, |max| tokens.len().saturating_sub(max));
+        let start = max_seq_len.map_or(0, |max| tokens.len().saturating_sub(max));
         let window: Vec<i64> = tokens[start..].iter().map(|&t| i64::from(t)).collect();
-        let len = window.len();
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(window, [1, len]), device);
-        let logits = model.forward(input);
-        let vocab = logits.dims()[2];
-        let last = logits
-            .slice([0..1, len - 1..len, 0..vocab])
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .expect("converted to f32");
+        let last = next_logits(&window);
         let next = match config.sampling {
             Sampling::Greedy => argmax(&last),
             Sampling::Temperature { temperature, .. } => sample(&last, temperature, &mut rng),
