@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{TINY, text};
+use common::{TINY, children, latest_step, losses, run_ok, text};
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
@@ -39,30 +39,6 @@ fn launch(nproc: usize, out: &Path, steps: usize, extra: &[&str]) -> Command {
     c.arg(inner.get_program()).args(inner.get_args());
     c.env("KILN_COMM_TIMEOUT", "60");
     c
-}
-
-fn run_ok(mut c: Command) -> String {
-    let out = c.output().unwrap();
-    let t = text(&out);
-    assert!(out.status.success(), "{t}");
-    t
-}
-
-/// The training loss of every step in a run's metrics log.
-fn losses(run: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            Some((v["step"].as_u64()?, v.get("loss")?.as_f64()?))
-        })
-        .collect()
-}
-
-fn latest_step(run: &Path) -> Option<usize> {
-    let name = std::fs::read_to_string(run.join("snapshots/latest")).ok()?;
-    name.trim().strip_prefix("step-")?.parse().ok()
 }
 
 /// The largest relative difference of `a`'s losses from `b`'s at the steps both have.
@@ -204,22 +180,7 @@ fn a_killed_pipelined_run_of_two_processes_resumes_with_the_same_losses() {
         std::thread::sleep(Duration::from_millis(2));
     }
     // SIGKILL the launcher's second rank (the last stage): the launcher stops the other.
-    let ranks: Vec<i32> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| {
-            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-            let ppid: u32 = stat
-                .rsplit(')')
-                .next()?
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
-            (ppid == job.id()).then_some(pid)
-        })
-        .collect();
+    let ranks = children(job.id());
     assert_eq!(ranks.len(), 2, "{ranks:?}");
     unsafe { libc::kill(*ranks.iter().max().unwrap(), libc::SIGKILL) };
     assert!(!job.wait().unwrap().success());

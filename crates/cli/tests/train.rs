@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{TINY, text};
+use common::{TINY, children, latest_step, losses, run_ok, text};
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
@@ -42,51 +42,6 @@ fn launch(nproc: usize, args: &[String]) -> Command {
     .args(args)
     .env("KILN_COMM_TIMEOUT", "60");
     c
-}
-
-fn run_ok(mut c: Command) -> String {
-    let out = c.output().unwrap();
-    let t = text(&out);
-    assert!(out.status.success(), "{t}");
-    t
-}
-
-/// The training loss of every step in a run's metrics log.
-fn losses(run: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            Some((v["step"].as_u64()?, v.get("loss")?.as_f64()?))
-        })
-        .collect()
-}
-
-fn latest_step(run: &Path) -> Option<usize> {
-    let name = std::fs::read_to_string(run.join("snapshots/latest")).ok()?;
-    name.trim().strip_prefix("step-")?.parse().ok()
-}
-
-/// Direct children of `pid` (the launcher's ranks), from /proc.
-fn children(pid: u32) -> Vec<i32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| {
-            let child: i32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-            // "pid (comm) state ppid ...": comm may hold spaces, so split after the last ')'.
-            let ppid: u32 = stat
-                .rsplit(')')
-                .next()?
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
-            (ppid == pid).then_some(child)
-        })
-        .collect()
 }
 
 #[test]

@@ -180,16 +180,6 @@ impl Pipeline {
         self.schedule.stage_of(self.schedule.chunks() - 1)
     }
 
-    /// Whether this stage reads the micro-batches' token ids (it runs chunk 0).
-    pub fn reads_inputs(&self) -> bool {
-        self.stage() == 0
-    }
-
-    /// Whether this stage computes the loss (it runs the last chunk).
-    pub fn reads_targets(&self) -> bool {
-        self.stage() == self.last_stage()
-    }
-
     /// One training step of this stage: runs the schedule over the micro-batches, then kiln's
     /// step ([`step_with`]): gradients reduced over the model's data-parallel group, the global
     /// norm over every stage, clipping, loss scaling, the optimizer. `input(mb)` gives
@@ -287,39 +277,11 @@ impl Pipeline {
         loss: impl Fn(Tensor<B, 3>, usize) -> Tensor<B, 1>,
     ) -> Result<f64, PipeError> {
         let stage = self.stage();
-        let device = model
-            .devices()
-            .into_iter()
-            .next()
-            .expect("a model with parameters");
-        let last = self.schedule.chunks() - 1;
         let mut mail = Mailbox::new(&*self.group);
         let mut total = 0.0;
         for mb in 0..microbatches {
-            for chunk in (stage..=last).step_by(self.schedule.stages()) {
-                let carry = match chunk {
-                    0 => Carry::Tokens(input(mb)),
-                    _ => Carry::Hidden(self.receive(
-                        &mut mail,
-                        Tag::Activation { mb, chunk },
-                        &device,
-                    )?),
-                };
-                let out = model
-                    .forward_units(self.placement.chunk(chunk), carry)
-                    .hidden();
-                if chunk == last {
-                    total += loss(out, mb).into_scalar().elem::<f64>();
-                } else {
-                    self.send(
-                        &mut mail,
-                        Tag::Activation {
-                            mb,
-                            chunk: chunk + 1,
-                        },
-                        out,
-                    )?;
-                }
+            if let Some(out) = self.forward_only(model, mb, || input(mb), &mut mail)? {
+                total += loss(out, mb).into_scalar().elem::<f64>();
             }
         }
         let mut bits = [total.to_bits() as i64];
@@ -346,44 +308,16 @@ impl Pipeline {
         vocab: usize,
     ) -> Result<Vec<f32>, PipeError> {
         let stage = self.stage();
-        let device = model
-            .devices()
-            .into_iter()
-            .next()
-            .expect("a model with parameters");
-        let last = self.schedule.chunks() - 1;
         let len = tokens.len();
         let mut mail = Mailbox::new(&*self.group);
-        let mut logits = vec![0f32; vocab];
-        for chunk in (stage..=last).step_by(self.schedule.stages()) {
-            let carry = match chunk {
-                0 => Carry::Tokens(Tensor::from_data(
-                    TensorData::new(tokens.to_vec(), [1, len]),
-                    &device,
-                )),
-                _ => Carry::Hidden(self.receive(
-                    &mut mail,
-                    Tag::Activation { mb: 0, chunk },
-                    &device,
-                )?),
-            };
-            let out = model
-                .forward_units(self.placement.chunk(chunk), carry)
-                .hidden();
-            if chunk == last {
-                let (_, values) = values_of(out.slice([0..1, len - 1..len, 0..vocab]));
-                logits = values;
-            } else {
-                self.send(
-                    &mut mail,
-                    Tag::Activation {
-                        mb: 0,
-                        chunk: chunk + 1,
-                    },
-                    out,
-                )?;
-            }
-        }
+        let input = || {
+            let data = TensorData::new(tokens.to_vec(), [1, len]);
+            Tensor::from_data(data, &device_of(model))
+        };
+        let mut logits = match self.forward_only(model, 0, input, &mut mail)? {
+            Some(out) => values_of(out.slice([0..1, len - 1..len, 0..vocab])).1,
+            None => vec![0f32; vocab],
+        };
         self.group
             .broadcast(BufMut::F32(&mut logits), self.last_stage())
             .map_err(|source| PipeError::Comm {
@@ -416,11 +350,7 @@ impl Pipeline {
             Loss(Tensor<AB, 1>),
         }
         let stage = self.stage();
-        let device = model
-            .devices()
-            .into_iter()
-            .next()
-            .expect("a model with parameters");
+        let device = device_of(model);
         let last = self.schedule.chunks() - 1;
         let mut mail = Mailbox::new(&*self.group);
         /// Per (micro-batch, chunk) in flight: the received input (whose gradient goes back)
@@ -520,6 +450,42 @@ impl Pipeline {
             source: Box::new(source),
         })?;
         Ok((f64::from_bits(bits[0] as u64), grads, stats))
+    }
+
+    /// This stage's chunks of micro-batch `mb`, forward only, in chunk order (a chunk's input
+    /// comes from an earlier chunk, and sends do not wait, so this order cannot deadlock):
+    /// the last chunk's output when this stage runs it. `input` gives the token ids (stage 0).
+    fn forward_only<B: Backend, M: Staged<B>>(
+        &self,
+        model: &M,
+        mb: usize,
+        input: impl FnOnce() -> Tensor<B, 2, Int>,
+        mail: &mut Mailbox<'_>,
+    ) -> Result<Option<Tensor<B, 3>>, PipeError> {
+        let device = device_of(model);
+        let last = self.schedule.chunks() - 1;
+        let mut input = Some(input);
+        for chunk in (self.stage()..=last).step_by(self.schedule.stages()) {
+            let carry = match chunk {
+                0 => Carry::Tokens(input.take().expect("chunk 0 runs once")()),
+                _ => Carry::Hidden(self.receive(mail, Tag::Activation { mb, chunk }, &device)?),
+            };
+            let out = model
+                .forward_units(self.placement.chunk(chunk), carry)
+                .hidden();
+            if chunk == last {
+                return Ok(Some(out));
+            }
+            self.send(
+                mail,
+                Tag::Activation {
+                    mb,
+                    chunk: chunk + 1,
+                },
+                out,
+            )?;
+        }
+        Ok(None)
     }
 
     /// The tensor `tag` from the stage that sends it (an activation from the previous chunk's
@@ -709,6 +675,15 @@ impl Pipeline {
         });
         error.map_or(Ok(model), Err)
     }
+}
+
+/// The device a model's parameters are on.
+fn device_of<B: Backend, M: Module<B>>(model: &M) -> B::Device {
+    model
+        .devices()
+        .into_iter()
+        .next()
+        .expect("a model with parameters")
 }
 
 /// A float tensor's dims and values as f32.

@@ -1,6 +1,7 @@
 //! What the CLI tests share: the tiny recipe and a finished process's output.
 
-use std::process::Output;
+use std::path::Path;
+use std::process::{Command, Output};
 
 /// A model and corpus small enough for a debug build.
 #[allow(dead_code)] // not every test file trains
@@ -26,4 +27,55 @@ pub fn text(out: &Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// Runs `c` and returns its output, asserting it succeeded.
+#[allow(dead_code)]
+pub fn run_ok(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    t
+}
+
+/// The training loss of every step in a run's metrics log.
+#[allow(dead_code)]
+pub fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((v["step"].as_u64()?, v.get("loss")?.as_f64()?))
+        })
+        .collect()
+}
+
+/// The step of a run's newest snapshot.
+#[allow(dead_code)]
+pub fn latest_step(run: &Path) -> Option<usize> {
+    let name = std::fs::read_to_string(run.join("snapshots/latest")).ok()?;
+    name.trim().strip_prefix("step-")?.parse().ok()
+}
+
+/// Direct children of `pid` (a launcher's ranks), from /proc.
+#[allow(dead_code)]
+pub fn children(pid: u32) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let child: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // "pid (comm) state ppid ...": comm may hold spaces, so split after the last ')'.
+            let ppid: u32 = stat
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == pid).then_some(child)
+        })
+        .collect()
 }
