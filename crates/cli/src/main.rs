@@ -19,7 +19,7 @@ mod verify_lora;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use kiln_comm::{ProcessGroup, ReduceOp, TcpGroup, selftest};
+use kiln_comm::{ReduceOp, selftest};
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 use tracing_subscriber::EnvFilter;
@@ -60,7 +60,7 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct CommCheckArgs {
     /// The process group implementation.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "nccl"])]
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "nccl", "mpi"])]
     backend: String,
     /// After the check, keep all-reducing for this many seconds (for fault drills).
     #[arg(long, default_value_t = 0.0)]
@@ -68,15 +68,8 @@ struct CommCheckArgs {
 }
 
 fn comm_check(args: &CommCheckArgs) -> Result<()> {
-    let group: Box<dyn ProcessGroup> = match args.backend.as_str() {
-        "tcp" => Box::new(TcpGroup::from_env()?),
-        #[cfg(feature = "nccl")]
-        "nccl" => Box::new(kiln_comm::NcclGroup::from_env()?),
-        _ => anyhow::bail!(
-            "backend '{}' is not built in: rebuild with `--features nccl`",
-            args.backend
-        ),
-    };
+    let env = kiln_comm::LaunchEnv::from_env()?;
+    let group = kiln_comm::join(&args.backend, &env, kiln_comm::GroupOptions::default())?;
     let start = Instant::now();
     let report = selftest::run(group.as_ref()).map_err(anyhow::Error::msg)?;
     println!(

@@ -4,7 +4,7 @@
 //! or alone with `--ranks N` (ranks are threads).
 
 use anyhow::{Result, bail};
-use kiln_comm::{DeviceSharing, GroupOptions, LocalGroup, ProcessGroup, TcpGroup};
+use kiln_comm::{DeviceSharing, GroupOptions, LocalGroup, ProcessGroup};
 use kiln_shard::Strategy;
 use kiln_shard::check::{Errors, Mlp, Options, train, with_values};
 use std::sync::Arc;
@@ -146,27 +146,13 @@ pub fn shard_check(args: &ShardCheckArgs) -> Result<bool> {
     };
     if kiln_comm::LaunchEnv::launched() {
         let env = kiln_comm::LaunchEnv::from_env()?;
-        let group: Arc<dyn ProcessGroup> = match args.backend.as_str() {
-            "tcp" => Arc::new(TcpGroup::from_launch_env(&env, GroupOptions::default())?),
-            #[cfg(feature = "nccl")]
-            "nccl" => Arc::new(kiln_comm::NcclGroup::from_launch_env(
-                &env,
-                GroupOptions::default(),
-            )?),
-            other => {
-                bail!("process group '{other}' is not built in (tcp; nccl needs `--features nccl`)")
-            }
-        };
+        let group = kiln_comm::join(&args.backend, &env, GroupOptions::default())?;
         let (rank, world) = (group.rank(), group.world_size());
         // (local rank, ranks on the node, sharing): NCCL allows one rank per GPU.
         let slot = (
             env.local_rank,
             env.local_world_size,
-            if group.backend() == "nccl" {
-                DeviceSharing::Exclusive
-            } else {
-                DeviceSharing::RoundRobin
-            },
+            DeviceSharing::for_backend(group.backend()),
         );
         let errors = on_device(group, args, strategy, opts, slot)?;
         return Ok(report(rank, world, &errors));

@@ -1,8 +1,8 @@
 //! `kiln train` and `kiln export`: the training job (see `kiln-train`) from the command line.
 
 use crate::progress::Console;
-use anyhow::{Result, bail};
-use kiln_comm::{DeviceSharing, GroupOptions, ProcessGroup, TcpGroup};
+use anyhow::{Context, Result, bail};
+use kiln_comm::{DeviceSharing, GroupOptions, ProcessGroup};
 use kiln_train::{Recipe, RunOptions, train_rank_with};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -302,27 +302,12 @@ fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
     };
     if kiln_comm::LaunchEnv::launched() {
         let env = kiln_comm::LaunchEnv::from_env()?;
-        let group: Arc<dyn ProcessGroup> = match recipe.parallel.backend.as_str() {
-            "tcp" => Arc::new(TcpGroup::from_launch_env(&env, GroupOptions::default())?),
-            #[cfg(feature = "nccl")]
-            "nccl" => Arc::new(kiln_comm::NcclGroup::from_launch_env(
-                &env,
-                GroupOptions::default(),
-            )?),
-            other => bail!(
-                "parallel.backend '{other}' is not built in (tcp; nccl needs `--features nccl`)"
-            ),
-        };
-        // NCCL allows one rank per GPU; ranks over TCP may share one.
-        let sharing = if group.backend() == "nccl" {
-            DeviceSharing::Exclusive
-        } else {
-            DeviceSharing::RoundRobin
-        };
+        let group = kiln_comm::join(&recipe.parallel.backend, &env, GroupOptions::default())
+            .with_context(|| format!("parallel.backend = {:?}", recipe.parallel.backend))?;
         let slot = Slot {
             local_rank: env.local_rank,
             local_world_size: env.local_world_size,
-            sharing,
+            sharing: DeviceSharing::for_backend(group.backend()),
         };
         rank_on_device(recipe, group, true, options, &args.device, slot)?;
         return Ok(());

@@ -26,6 +26,18 @@ pub enum DeviceSharing {
     RoundRobin,
 }
 
+impl DeviceSharing {
+    /// How ranks of a group implementation ([`ProcessGroup::backend`](crate::ProcessGroup))
+    /// may share GPUs: exclusively for NCCL, round-robin for the host-memory groups.
+    pub fn for_backend(backend: &str) -> DeviceSharing {
+        if backend == "nccl" {
+            DeviceSharing::Exclusive
+        } else {
+            DeviceSharing::RoundRobin
+        }
+    }
+}
+
 /// The ordinal (among the devices this process sees) of the GPU for local rank `local_rank`
 /// of `local_world_size`, given `visible` devices and the value of `CUDA_VISIBLE_DEVICES`.
 ///

@@ -190,12 +190,8 @@ impl LaunchEnv {
             Some(a) => a,
             // All ranks on this node: rank 0 is local.
             None if local_world_size == world_size => "127.0.0.1".to_string(),
-            None => {
-                return Err(CommError::Config(format!(
-                    "Open MPI launch over several nodes ({world_size} ranks, {local_world_size} \
-                     on this node): set MASTER_ADDR to rank 0's host (mpirun -x MASTER_ADDR=...)"
-                )));
-            }
+            // Unknown: the mpi backend needs no store; `rendezvous` says what to set.
+            None => String::new(),
         };
         Ok(LaunchEnv {
             rank,
@@ -246,6 +242,14 @@ impl LaunchEnv {
         &self,
         timeout: std::time::Duration,
     ) -> Result<(Option<Arc<StoreServer>>, Arc<StoreClient>)> {
+        if self.master_addr.is_empty() {
+            return Err(CommError::Config(format!(
+                "{:?} launch over several nodes ({} ranks, {} on this node) without \
+                 MASTER_ADDR: set it to rank 0's host (mpirun -x MASTER_ADDR=...), or use the \
+                 mpi backend, which needs no rendezvous",
+                self.source, self.world_size, self.local_world_size
+            )));
+        }
         let server = if self.rank == 0 {
             let bind = self.store_bind_addr()?;
             let token = self.job_token.clone();
@@ -484,15 +488,22 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(e.master_addr, "127.0.0.1");
-        let err = env(&[
+        // Several nodes without MASTER_ADDR: fine for the mpi backend, which needs no store;
+        // the rendezvous of the others says what to set.
+        let several = env(&[
             ("OMPI_COMM_WORLD_RANK", "1"),
             ("OMPI_COMM_WORLD_SIZE", "4"),
             ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
         ])
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("set MASTER_ADDR"), "{err}");
+        .unwrap();
+        let err = several
+            .rendezvous(std::time::Duration::from_secs(1))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("set it to rank 0's host"), "{err}");
+        assert!(err.contains("mpi backend"), "{err}");
     }
 
     #[test]

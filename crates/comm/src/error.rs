@@ -89,7 +89,7 @@ impl std::fmt::Display for OpContext {
 #[non_exhaustive]
 pub enum CommError {
     /// A peer did not send what this rank waited for within the timeout.
-    #[error("{op}: timed out after {timeout:?} waiting for rank {peer}")]
+    #[error("{op}: timed out after {timeout:?} waiting for {}", peer_name(*.peer))]
     Timeout {
         /// The operation that waited.
         op: OpContext,
@@ -173,6 +173,9 @@ pub enum CommError {
     /// CUDA or NCCL is unavailable or returned an error.
     #[error("nccl: {0}")]
     Nccl(String),
+    /// The MPI library reported an error (feature `mpi`).
+    #[error("mpi: {0}")]
+    Mpi(String),
     /// An I/O error outside any collective (the operating system's error is the source).
     #[error("{context}")]
     Io {
@@ -182,6 +185,16 @@ pub enum CommError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// "rank N", or "a peer" where the transport cannot tell which (`usize::MAX`: NCCL and MPI
+/// collectives wait on the whole group).
+fn peer_name(peer: usize) -> String {
+    if peer == usize::MAX {
+        "a peer".into()
+    } else {
+        format!("rank {peer}")
+    }
 }
 
 /// The result type of this crate.

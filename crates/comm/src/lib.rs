@@ -5,7 +5,9 @@
 //! It is implemented by
 //! - [`LocalGroup`]: ranks as threads of one process (tests; one process driving several devices),
 //! - [`TcpGroup`]: ranks as processes over TCP, with ring algorithms, on one machine or many,
-//! - `NcclGroup` (feature `nccl`): GPUs through NCCL, the production path.
+//! - `NcclGroup` (feature `nccl`): GPUs through NCCL, the production path,
+//! - `MpiGroup` (feature `mpi`): the processes of an MPI job (`mpirun`, `srun`), through the
+//!   system's MPI library: CPU clusters on their fabric.
 //!
 //! Processes find each other through a small TCP key-value [`store`] hosted by rank 0, configured
 //! from torchrun-style, SLURM or Open MPI environment variables ([`LaunchEnv`]); `kiln launch`
@@ -33,8 +35,11 @@ mod env;
 mod error;
 mod group;
 pub mod hash;
+mod join;
 mod local;
 mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod selftest;
@@ -53,8 +58,11 @@ pub use dtype::{BufMut, BufRef, DType, Element, ReduceOp};
 pub use env::{EnvSource, LaunchEnv};
 pub use error::{CommError, OpContext, OpKind, Result};
 pub use group::{AsAny, DEFAULT_TIMEOUT, GroupOptions, ProcessGroup};
+pub use join::{BACKENDS, join};
 pub use local::{LocalGroup, spawn_ranks, spawn_ranks_with};
 pub use mesh::{DeviceMesh, MeshAxis, MeshGroups, MeshShape};
+#[cfg(feature = "mpi")]
+pub use mpi::MpiGroup;
 #[cfg(feature = "nccl")]
 pub use nccl::NcclGroup;
 pub use shard::{shard_len, shard_range};

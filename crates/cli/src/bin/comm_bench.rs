@@ -49,7 +49,8 @@ struct Args {
     /// Timed runs per size; the best is reported (a busy machine only ever slows a run).
     #[arg(long, default_value_t = 1)]
     repeat: usize,
-    /// Process group under a launcher: tcp, or nccl (needs `--features nccl`).
+    /// Process group under a launcher: tcp, nccl (needs `--features nccl`) or mpi (under
+    /// mpirun; needs `--features mpi`).
     #[arg(long, default_value = "tcp")]
     backend: String,
 }
@@ -226,16 +227,9 @@ fn main() -> Result<()> {
     }
     let memcpy = memcpy_bandwidth(*sizes.last().expect("non-empty"));
     if kiln_comm::LaunchEnv::launched() {
-        let group: Box<dyn ProcessGroup> = match args.backend.as_str() {
-            "tcp" => Box::new(TcpGroup::from_env().context("joining the launched job")?),
-            #[cfg(feature = "nccl")]
-            "nccl" => {
-                Box::new(kiln_comm::NcclGroup::from_env().context("joining the launched job")?)
-            }
-            other => {
-                bail!("process group '{other}' is not built in (tcp; nccl needs --features nccl)")
-            }
-        };
+        let env = kiln_comm::LaunchEnv::from_env()?;
+        let group = kiln_comm::join(&args.backend, &env, GroupOptions::default())
+            .context("joining the launched job")?;
         // A job started by `--groups tcp-mp` shares the parent's table header.
         let child = std::env::var_os("KILN_COMM_BENCH_CHILD").is_some();
         if group.rank() == 0 && !child {
