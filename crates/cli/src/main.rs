@@ -205,5 +205,9 @@ fn main() {
             }
         },
     };
+    #[cfg(feature = "mpi")]
+    if code != 0 {
+        kiln_comm::mpi::failing();
+    }
     std::process::exit(code);
 }

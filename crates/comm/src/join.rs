@@ -65,7 +65,10 @@ mod tests {
         let err = join("gloo", &env, GroupOptions::default())
             .unwrap_err()
             .to_string();
-        assert!(err.contains("unknown backend 'gloo': one of tcp, nccl, mpi"), "{err}");
+        assert!(
+            err.contains("unknown backend 'gloo': one of tcp, nccl, mpi"),
+            "{err}"
+        );
         if !cfg!(feature = "mpi") {
             let err = join("mpi", &env, GroupOptions::default())
                 .unwrap_err()

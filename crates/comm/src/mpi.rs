@@ -173,6 +173,19 @@ impl Runtime {
             abandoned: AtomicBool::new(false),
         });
         *slot = Arc::downgrade(&rt);
+        if lock(&rt.universe).is_some() {
+            // A panic usually ends the process: do not finalise then (see `failing`).
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                failing();
+                previous(info)
+            }));
+            // Groups can outlive `main` (a model's sharding state keeps its group, and
+            // `std::process::exit` runs no destructors), yet a process that started MPI must
+            // finalise it or the launcher calls the job failed.
+            // SAFETY: registering a plain function.
+            unsafe { libc::atexit(finalize_at_exit) };
+        }
         Ok(rt)
     }
 
@@ -201,20 +214,48 @@ impl Runtime {
     }
 }
 
-impl Drop for Runtime {
-    fn drop(&mut self) {
-        let universe = lock(&self.universe).take();
-        if self.abandoned.load(Ordering::SeqCst) {
-            // Finalising could wait forever for the peer that was lost; exiting without it
-            // makes the MPI launcher end the whole job.
+impl Runtime {
+    /// Finalises MPI, unless an operation was abandoned or the process is failing: then
+    /// finalising could wait forever for a lost peer, and exiting without it makes the MPI
+    /// launcher end the whole job at once.
+    fn finish(&self) {
+        let Some(universe) = lock(&self.universe).take() else {
+            return; // someone else's MPI, or finalised already
+        };
+        if self.abandoned.load(Ordering::SeqCst) || FAILING.load(Ordering::SeqCst) {
             std::mem::forget(universe);
             return;
         }
-        for op in self.half_ops.iter_mut().flatten() {
-            // SAFETY: ops this runtime created, no longer used by any group.
-            unsafe { ffi::MPI_Op_free(op) };
+        for mut op in self.half_ops.into_iter().flatten() {
+            // SAFETY: ops this runtime created; no operation is in flight at finalisation.
+            unsafe { ffi::MPI_Op_free(&mut op) };
         }
         drop(universe);
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// Set by [`failing`].
+static FAILING: AtomicBool = AtomicBool::new(false);
+
+/// Tells kiln that this process is about to exit with an error: it will not call
+/// `MPI_Finalize` (which waits for the other ranks), so the MPI launcher ends the job at once.
+/// `kiln`'s commands call it before a non-zero exit, and a panic calls it. A program that
+/// exits with an error otherwise (`std::process::exit(1)`) should call it first, or its peers
+/// wait for it until their timeout.
+pub fn failing() {
+    FAILING.store(true, Ordering::SeqCst);
+}
+
+extern "C" fn finalize_at_exit() {
+    let rt = lock(&RUNTIME).upgrade();
+    if let Some(rt) = rt {
+        rt.finish();
     }
 }
 
@@ -641,42 +682,48 @@ impl MpiGroup {
     fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let len = buf.len() / dtype.size();
         let count = self.count(OpKind::AllReduce, len)?;
-        self.collective(OpKind::AllReduce, dtype, len, op.code() as i64, |ctx, deadline| {
-            if len == 0 || self.world_size == 1 {
-                return Ok(());
-            }
-            let mut send = self.pool.take(buf.len());
-            bytes_mut(&mut send, buf.len()).copy_from_slice(buf);
-            let recv = self.pool.take(buf.len());
-            let mpi_op = self.runtime.op(dtype, op);
-            let bufs = self.start_and_wait(
-                ctx,
-                deadline,
-                "MPI_Iallreduce",
-                vec![send, recv],
-                |b, req| {
-                    let (s, r) = b.split_at_mut(1);
-                    // SAFETY: `count` elements of `dtype` in both buffers, held until done.
-                    unsafe {
-                        ffi::MPI_Iallreduce(
-                            s[0].as_ptr() as *const c_void,
-                            r[0].as_mut_ptr() as *mut c_void,
-                            count,
-                            datatype(dtype),
-                            mpi_op,
-                            self.coll.0,
-                            req,
-                        )
-                    }
-                },
-            )?;
-            buf.copy_from_slice(bytes(&bufs[1], buf.len()));
-            self.recycle(bufs);
-            let bytes_moved = 2 * self.ring_share(buf.len());
-            self.counters.sent(OpKind::AllReduce, bytes_moved);
-            self.counters.received(OpKind::AllReduce, bytes_moved);
-            Ok(())
-        })?;
+        self.collective(
+            OpKind::AllReduce,
+            dtype,
+            len,
+            op.code() as i64,
+            |ctx, deadline| {
+                if len == 0 || self.world_size == 1 {
+                    return Ok(());
+                }
+                let mut send = self.pool.take(buf.len());
+                bytes_mut(&mut send, buf.len()).copy_from_slice(buf);
+                let recv = self.pool.take(buf.len());
+                let mpi_op = self.runtime.op(dtype, op);
+                let bufs = self.start_and_wait(
+                    ctx,
+                    deadline,
+                    "MPI_Iallreduce",
+                    vec![send, recv],
+                    |b, req| {
+                        let (s, r) = b.split_at_mut(1);
+                        // SAFETY: `count` elements of `dtype` in both buffers, held until done.
+                        unsafe {
+                            ffi::MPI_Iallreduce(
+                                s[0].as_ptr() as *const c_void,
+                                r[0].as_mut_ptr() as *mut c_void,
+                                count,
+                                datatype(dtype),
+                                mpi_op,
+                                self.coll.0,
+                                req,
+                            )
+                        }
+                    },
+                )?;
+                buf.copy_from_slice(bytes(&bufs[1], buf.len()));
+                self.recycle(bufs);
+                let bytes_moved = 2 * self.ring_share(buf.len());
+                self.counters.sent(OpKind::AllReduce, bytes_moved);
+                self.counters.received(OpKind::AllReduce, bytes_moved);
+                Ok(())
+            },
+        )?;
         if op == ReduceOp::Avg {
             divide(buf, dtype, self.world_size);
         }
@@ -721,8 +768,12 @@ impl MpiGroup {
             let mut send = self.pool.take(input.len());
             bytes_mut(&mut send, input.len()).copy_from_slice(input);
             let recv = self.pool.take(output.len());
-            let bufs =
-                self.start_and_wait(ctx, deadline, "MPI_Iallgatherv", vec![send, recv], |b, req| {
+            let bufs = self.start_and_wait(
+                ctx,
+                deadline,
+                "MPI_Iallgatherv",
+                vec![send, recv],
+                |b, req| {
                     let (s, r) = b.split_at_mut(1);
                     // SAFETY: this rank's shard in `send`, the whole buffer in `recv`; MPI reads
                     // the count arrays until the operation completes, and they outlive it.
@@ -739,7 +790,8 @@ impl MpiGroup {
                             req,
                         )
                     }
-                })?;
+                },
+            )?;
             output.copy_from_slice(bytes(&bufs[1], output.len()));
             self.recycle(bufs);
             let moved = self.ring_share(output.len());
@@ -830,36 +882,43 @@ impl MpiGroup {
         }
         let len = buf.len() / dtype.size();
         let count = self.count(OpKind::Broadcast, len)?;
-        self.collective(OpKind::Broadcast, dtype, len, root as i64, |ctx, deadline| {
-            if len == 0 || self.world_size == 1 {
-                return Ok(());
-            }
-            let mut stage = self.pool.take(buf.len());
-            if self.rank == root {
-                bytes_mut(&mut stage, buf.len()).copy_from_slice(buf);
-            }
-            let bufs = self.start_and_wait(ctx, deadline, "MPI_Ibcast", vec![stage], |b, req| {
-                // SAFETY: `count` elements of `dtype`, held until done.
-                unsafe {
-                    ffi::MPI_Ibcast(
-                        b[0].as_mut_ptr() as *mut c_void,
-                        count,
-                        datatype(dtype),
-                        root as c_int,
-                        self.coll.0,
-                        req,
-                    )
+        self.collective(
+            OpKind::Broadcast,
+            dtype,
+            len,
+            root as i64,
+            |ctx, deadline| {
+                if len == 0 || self.world_size == 1 {
+                    return Ok(());
                 }
-            })?;
-            if self.rank != root {
-                buf.copy_from_slice(bytes(&bufs[0], buf.len()));
-            }
-            self.recycle(bufs);
-            let moved = self.ring_share(buf.len());
-            self.counters.sent(OpKind::Broadcast, moved);
-            self.counters.received(OpKind::Broadcast, moved);
-            Ok(())
-        })
+                let mut stage = self.pool.take(buf.len());
+                if self.rank == root {
+                    bytes_mut(&mut stage, buf.len()).copy_from_slice(buf);
+                }
+                let bufs =
+                    self.start_and_wait(ctx, deadline, "MPI_Ibcast", vec![stage], |b, req| {
+                        // SAFETY: `count` elements of `dtype`, held until done.
+                        unsafe {
+                            ffi::MPI_Ibcast(
+                                b[0].as_mut_ptr() as *mut c_void,
+                                count,
+                                datatype(dtype),
+                                root as c_int,
+                                self.coll.0,
+                                req,
+                            )
+                        }
+                    })?;
+                if self.rank != root {
+                    buf.copy_from_slice(bytes(&bufs[0], buf.len()));
+                }
+                self.recycle(bufs);
+                let moved = self.ring_share(buf.len());
+                self.counters.sent(OpKind::Broadcast, moved);
+                self.counters.received(OpKind::Broadcast, moved);
+                Ok(())
+            },
+        )
     }
 
     fn peer(&self, what: &str, peer: usize) -> Result<c_int> {
@@ -958,23 +1017,26 @@ impl MpiGroup {
             // SAFETY: the status of the matched message.
             let r = unsafe { ffi::MPI_Get_count(&status, datatype(dtype), &mut sent) };
             self.check(&ctx, "MPI_Get_count", r)?;
+            // A matched message must be received, even one that is then refused.
+            let mut sent_bytes: c_int = 0;
+            // SAFETY: the status of the matched message.
+            let r = unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut sent_bytes) };
+            self.check(&ctx, "MPI_Get_count", r)?;
             let problem = match sent_type {
-                Some(t) if t != dtype => Some(format!("{t}")),
-                None => Some(format!("tag {}", status.MPI_TAG)),
-                _ if sent != count => Some(format!("{sent} elements")),
+                Some(t) if t != dtype => Some(format!(
+                    "send of {} {t}",
+                    sent_bytes.max(0) as usize / t.size()
+                )),
+                None => Some(format!("a message tagged {}", status.MPI_TAG)),
+                _ if sent != count => Some(format!("send of {sent} {dtype}")),
                 _ => None,
             };
             let mut stage = self.pool.take(buf.len());
             let mut req = null_request();
-            // A matched message must be received, even one that is then refused.
             let (recv_count, recv_type) = match problem {
                 Some(_) => {
-                    let mut n: c_int = 0;
-                    // SAFETY: the status of the matched message.
-                    let r = unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut n) };
-                    self.check(&ctx, "MPI_Get_count", r)?;
-                    stage = vec![0u64; (n.max(0) as usize).div_ceil(8).max(1)];
-                    (n, unsafe { ffi::RSMPI_UINT8_T })
+                    stage = vec![0u64; (sent_bytes.max(0) as usize).div_ceil(8).max(1)];
+                    (sent_bytes, unsafe { ffi::RSMPI_UINT8_T })
                 }
                 None => (count, datatype(dtype)),
             };
@@ -997,16 +1059,14 @@ impl MpiGroup {
                         peer: src,
                         timeout: self.timeout,
                     },
-                    Unfinished::Failed(why) => {
-                        CommError::Mpi(format!("{ctx}: MPI_Imrecv: {why}"))
-                    }
+                    Unfinished::Failed(why) => CommError::Mpi(format!("{ctx}: MPI_Imrecv: {why}")),
                 })?;
             if let Some(what) = problem {
                 return Err(CommError::Mismatch {
                     op: ctx.clone(),
                     peer: src,
-                    expected: format!("a message of {count} {dtype}"),
-                    found: format!("a message of {what}"),
+                    expected: format!("recv of {count} {dtype}"),
+                    found: what,
                 });
             }
             buf.copy_from_slice(bytes(&stage[0], buf.len()));
@@ -1268,7 +1328,8 @@ impl ProcessGroup for MpiGroup {
                     });
                 }
             }
-            self.pool.give(bufs.into_iter().next().expect("send buffer"));
+            self.pool
+                .give(bufs.into_iter().next().expect("send buffer"));
             let new = self.create_group(ranks, id, &ctx)?;
             let p2p = dup(&self.runtime, new.0)?;
             Ok(Arc::new(MpiGroup {
