@@ -139,7 +139,7 @@ fn conformance_rank() {
     if rank == 0 {
         p2p.send((&[1f32, 2.0, 3.0, 4.0][..]).into(), 1).unwrap();
     } else if rank == 1 {
-        let mut as_bf16 = vec![kiln_comm::bf16::ZERO; 8];
+        let mut as_bf16 = [kiln_comm::bf16::ZERO; 8];
         let err = p2p
             .recv((&mut as_bf16[..]).into(), 0)
             .unwrap_err()

@@ -9,7 +9,8 @@
 //! ```
 //!
 //! `tcp-mp` spawns the ranks as processes of this binary (the launcher's variables set for
-//! each), one job per world size; `--repeat` keeps each size's best of several timed runs, for
+//! each), one job per world size; `mpi-mp` starts them with `mpirun` over the system's MPI
+//! (a build with `--features mpi`); `--repeat` keeps each size's best of several timed runs, for
 //! a machine that is busy with other work. `bench/torch/allreduce_gloo.py` prints the same
 //! columns for PyTorch's gloo, and `scripts/bench-allreduce.sh` puts the two side by side.
 //!
@@ -34,7 +35,8 @@ struct Args {
     /// World sizes to run (in-process mode).
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     ranks: Vec<usize>,
-    /// Group kinds to run: local, tcp (ranks as threads), tcp-mp (ranks as processes).
+    /// Group kinds to run: local, tcp (ranks as threads), tcp-mp (ranks as processes), mpi-mp
+    /// (ranks as processes of an `mpirun` job; needs `--features mpi`).
     #[arg(long, value_delimiter = ',', default_value = "local,tcp")]
     groups: Vec<String>,
     /// Smallest message (bytes; K, M, G suffixes).
@@ -135,8 +137,10 @@ fn report(kind: &str, n: usize, sizes: &[usize], times: &[f64], memcpy: f64) {
         let algbw = bytes as f64 / t;
         let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
         println!(
-            "{kind:<6} {n:>3} {:>6}  ring  {:>12.1} {:>10.3} {:>10.3} {:>10.3}",
+            "{kind:<6} {n:>3} {:>6}  {:<4}  {:>12.1} {:>10.3} {:>10.3} {:>10.3}",
             human(bytes),
+            // MPI chooses its own algorithm per size; kiln's groups run a ring.
+            if kind.starts_with("mpi") { "mpi" } else { "ring" },
             t * 1e6,
             algbw / 1e9,
             busbw / 1e9,
@@ -188,6 +192,29 @@ fn processes(n: usize) -> Result<()> {
     Ok(())
 }
 
+/// One `mpirun` job of `n` ranks of this binary, on the mpi backend.
+fn mpi_processes(n: usize) -> Result<()> {
+    if !kiln_comm::BACKENDS.contains(&("mpi", true)) {
+        bail!("mpi-mp needs a build with `--features mpi`");
+    }
+    let exe = std::env::current_exe().context("finding this binary")?;
+    let status = std::process::Command::new("mpirun")
+        // This machine may have fewer cores than ranks, and benchmarks may run as root.
+        .args(["--oversubscribe", "-np", &n.to_string()])
+        .arg(&exe)
+        .args(std::env::args().skip(1))
+        .args(["--backend", "mpi"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("KILN_COMM_BENCH_CHILD", "1")
+        .status()
+        .context("starting mpirun (Open MPI's launcher)")?;
+    if !status.success() {
+        bail!("the mpirun job of {n} ranks failed ({status})");
+    }
+    Ok(())
+}
+
 fn in_process(kind: &str, n: usize, sizes: &[usize], repeat: usize) -> Result<Vec<f64>> {
     let options = GroupOptions::default().with_timeout(Duration::from_secs(600));
     let results: Vec<Result<Vec<f64>>> = match kind {
@@ -214,7 +241,7 @@ fn in_process(kind: &str, n: usize, sizes: &[usize], repeat: usize) -> Result<Ve
                     .collect()
             })
         }
-        other => bail!("unknown group kind {other:?} (local, tcp, tcp-mp)"),
+        other => bail!("unknown group kind {other:?} (local, tcp, tcp-mp, mpi-mp)"),
     };
     results.into_iter().next().expect("at least one rank")
 }
@@ -244,7 +271,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     println!(
-        "ranks are threads of this process, or processes for tcp-mp ({} cores)",
+        "ranks are threads of this process, or processes for tcp-mp and mpi-mp ({} cores)",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     header(memcpy);
@@ -252,6 +279,10 @@ fn main() -> Result<()> {
         for &n in &args.ranks {
             if kind == "tcp-mp" {
                 processes(n)?;
+                continue;
+            }
+            if kind == "mpi-mp" {
+                mpi_processes(n)?;
                 continue;
             }
             let times = in_process(kind, n, &sizes, args.repeat)?;
