@@ -140,7 +140,11 @@ fn report(kind: &str, n: usize, sizes: &[usize], times: &[f64], memcpy: f64) {
             "{kind:<6} {n:>3} {:>6}  {:<4}  {:>12.1} {:>10.3} {:>10.3} {:>10.3}",
             human(bytes),
             // MPI chooses its own algorithm per size; kiln's groups run a ring.
-            if kind.starts_with("mpi") { "mpi" } else { "ring" },
+            if kind.starts_with("mpi") {
+                "mpi"
+            } else {
+                "ring"
+            },
             t * 1e6,
             algbw / 1e9,
             busbw / 1e9,
