@@ -1,6 +1,6 @@
 //! `kiln` under Open MPI's `mpirun` with `parallel.backend = "mpi"` (feature `mpi`; CI
-//! installs Open MPI from Debian): training under every sharding strategy and a pipeline equals
-//! the same job on one machine, `kiln comm-check` passes, and a job that MPI did not start is
+//! installs Open MPI from Debian): training under every sharding strategy, and pipelines with
+//! ZeRO-3 or hybrid sharding on the data-parallel axis, equals the same job on one machine, `kiln comm-check` passes, and a job that MPI did not start is
 //! refused with the reason.
 #![cfg(feature = "mpi")]
 
@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::{TINY, run_ok, text};
+use common::{TINY, run_ok, text, val_loss};
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
@@ -40,33 +40,26 @@ fn train(c: &mut Command, out: &Path, extra: &[&str]) {
     .args(extra);
 }
 
-/// The run's last validation loss.
-fn val_loss(run: &Path) -> f64 {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64())
-        .expect("a validation loss")
-}
-
 #[test]
 fn training_under_mpirun_equals_one_machine() {
     let tmp = tempfile::tempdir().unwrap();
-    // (name, the job's flags, the one-machine job's flags)
-    let cases: [(&str, &[&str], &[&str]); 4] = [
+    // (name, ranks, the job's flags, the one-machine job's flags)
+    let cases: [(&str, usize, &[&str], &[&str]); 5] = [
         (
             "ddp",
+            4,
             &["--strategy", "ddp"],
             &["--strategy", "ddp", "--ranks", "4"],
         ),
         (
             "zero3",
+            4,
             &["--strategy", "zero3"],
             &["--strategy", "zero3", "--ranks", "4"],
         ),
         (
             "hybrid-2",
+            4,
             &["--strategy", "hybrid:2"],
             &["--strategy", "hybrid:2", "--ranks", "4"],
         ),
@@ -74,6 +67,7 @@ fn training_under_mpirun_equals_one_machine() {
         // stage's pair; ZeRO-3 under stages as threads is refused, so the reference is one rank.
         (
             "pp2-zero3",
+            4,
             &[
                 "--strategy",
                 "zero3",
@@ -86,14 +80,32 @@ fn training_under_mpirun_equals_one_machine() {
             ],
             &["--set", "model.layers=2"],
         ),
+        // 2 stages x 4 data-parallel ranks, hybrid: sharded in pairs, replicated across them.
+        (
+            "pp2-hybrid-2",
+            8,
+            &[
+                "--strategy",
+                "hybrid:2",
+                "--pp",
+                "2",
+                "--microbatches",
+                "2",
+                "--set",
+                "model.layers=2",
+                "--set",
+                "train.batch_size=8",
+            ],
+            &["--set", "model.layers=2", "--set", "train.batch_size=8"],
+        ),
     ];
-    for (name, job, reference) in cases {
+    for (name, ranks, job, reference) in cases {
         let under = tmp.path().join(format!("{name}-mpi"));
-        let mut c = mpirun(4);
+        let mut c = mpirun(ranks);
         train(&mut c, &under, job);
         c.args(["--set", "parallel.backend=\"mpi\""]);
         let t = run_ok(c);
-        assert!(t.contains("on 4 rank(s)"), "{name}:\n{t}");
+        assert!(t.contains(&format!("on {ranks} rank(s)")), "{name}:\n{t}");
 
         let here = tmp.path().join(format!("{name}-here"));
         let mut c = Command::new(KILN);

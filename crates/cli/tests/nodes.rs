@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{TINY, text};
+use common::{TINY, text, val_loss};
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
@@ -170,16 +170,6 @@ fn train_args_snapshots(out: &Path, strategy: &str, steps: usize, every: usize) 
         .map(String::from),
     );
     a
-}
-
-/// The run's last validation loss, from its metrics log.
-fn val_loss(run: &Path) -> f64 {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64())
-        .expect("a validation loss")
 }
 
 /// A port on node 0 (namespaces have their own ports: any high one is free there).

@@ -51,6 +51,17 @@ pub fn losses(run: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// The run's last validation loss, from its metrics log.
+#[allow(dead_code)]
+pub fn val_loss(run: &Path) -> f64 {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_loss"].as_f64())
+        .expect("a validation loss")
+}
+
 /// The step of a run's newest snapshot.
 #[allow(dead_code)]
 pub fn latest_step(run: &Path) -> Option<usize> {
