@@ -36,7 +36,8 @@ pub struct TrainArgs {
     #[arg(long)]
     schedule: Option<String>,
     /// parallel.split: the units where the pipeline's chunks after the first start
-    /// (e.g. h.2,h.5); default: chunks balanced by parameter count.
+    /// (e.g. h.2,h.5), or `measured` (chunks balanced by each unit's forward time, measured at
+    /// start); default: chunks balanced by parameter count.
     #[arg(long)]
     pp_split: Option<String>,
     /// train.remat: off; balanced (memory-bound ops recomputed in backward); budget=SIZE

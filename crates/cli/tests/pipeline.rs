@@ -162,6 +162,30 @@ fn a_pipeline_starts_from_a_pretrained_directory() {
 }
 
 #[test]
+fn a_split_by_measured_time_trains_as_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    run_ok(train(&path("one"), 4, &[]));
+    let out = run_ok(train(
+        &path("pp"),
+        4,
+        &[
+            "--ranks",
+            "2",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--pp-split",
+            "measured",
+        ],
+    ));
+    assert!(out.contains("% of the measured forward time"), "{out}");
+    let err = loss_error(&losses(&path("pp")), &losses(&path("one")));
+    assert!(err <= 1e-5, "{:?}", losses(&path("pp")));
+}
+
+#[test]
 fn a_killed_pipelined_run_of_two_processes_resumes_with_the_same_losses() {
     let dir = tempfile::tempdir().unwrap();
     let (whole, cut) = (dir.path().join("whole"), dir.path().join("cut"));

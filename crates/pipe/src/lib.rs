@@ -35,10 +35,12 @@
 #![warn(missing_docs)]
 
 mod mailbox;
+mod measure;
 mod pipeline;
 pub mod placement;
 pub mod schedule;
 
+pub use measure::measure_costs;
 pub use pipeline::{PipeStats, Pipeline, PipelineConfig};
 pub use placement::{Placement, Split};
 pub use schedule::{Action, Schedule, ScheduleKind, Timeline};

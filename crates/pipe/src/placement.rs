@@ -1,5 +1,5 @@
-//! Which units run on which stage: contiguous chunks, balanced by parameter count or cut at
-//! named units.
+//! Which units run on which stage: contiguous chunks, balanced by parameter count or by
+//! measured cost, or cut at named units.
 
 use crate::PipeError;
 use kiln_hf::Unit;
@@ -12,6 +12,13 @@ pub enum Split {
     /// Contiguous chunks whose largest parameter count is as small as it can be.
     #[default]
     Balanced,
+    /// Contiguous chunks whose largest total cost is as small as it can be, given each unit's
+    /// cost (one per unit, e.g. from [`measure_costs`](crate::measure_costs)).
+    Costs(Vec<u64>),
+    /// Balanced by costs measured on this machine: the caller replaces it by
+    /// [`Split::Costs`] from [`measure_costs`](crate::measure_costs) (`kiln train` does), since
+    /// measuring needs the model, a micro-batch and the whole job.
+    Measured,
     /// Chunks beginning at these units (by name, in order; the first chunk begins at unit 0),
     /// PyTorch pipelining's split points.
     At(Vec<String>),
@@ -22,6 +29,8 @@ pub enum Split {
 pub struct Placement {
     units: Vec<Unit>,
     sizes: Vec<usize>,
+    /// Each unit's cost, when the cut balanced measured costs.
+    costs: Option<Vec<u64>>,
     chunks: Vec<Range<usize>>,
     stages: usize,
 }
@@ -51,6 +60,24 @@ impl Placement {
         }
         let starts = match split {
             Split::Balanced => balanced(&sizes, n),
+            Split::Costs(costs) => {
+                if costs.len() != units.len() {
+                    return Err(PipeError::Config(format!(
+                        "{} unit costs for a model of {} units ({})",
+                        costs.len(),
+                        units.len(),
+                        names(&units)
+                    )));
+                }
+                let costs: Vec<usize> = costs.iter().map(|&c| c as usize).collect();
+                balanced(&costs, n)
+            }
+            Split::Measured => {
+                return Err(PipeError::Config(
+                    "Split::Measured must be measured first: pass Split::Costs(measure_costs(..))"
+                        .into(),
+                ));
+            }
             Split::At(points) => {
                 if points.len() + 1 != n {
                     return Err(PipeError::Config(format!(
@@ -84,9 +111,14 @@ impl Placement {
             .zip(starts.iter().skip(1).chain(std::iter::once(&units.len())))
             .map(|(&a, &b)| a..b)
             .collect();
+        let costs = match split {
+            Split::Costs(c) => Some(c.clone()),
+            _ => None,
+        };
         Ok(Placement {
             units,
             sizes,
+            costs,
             chunks,
             stages,
         })
@@ -152,9 +184,23 @@ impl fmt::Display for Placement {
                     }
                 })
                 .collect();
+            let share = match &self.costs {
+                Some(costs) => {
+                    let total: u64 = costs.iter().sum();
+                    let mine: u64 = (stage..self.chunks.len())
+                        .step_by(self.stages)
+                        .map(|c| costs[self.chunks[c].clone()].iter().sum::<u64>())
+                        .sum();
+                    format!(
+                        ", {:.0}% of the measured forward time",
+                        100.0 * mine as f64 / total.max(1) as f64
+                    )
+                }
+                None => String::new(),
+            };
             writeln!(
                 f,
-                "stage {stage}: {} ({} parameters)",
+                "stage {stage}: {} ({} parameters{share})",
                 chunks.join(" + "),
                 size
             )?;
@@ -241,6 +287,33 @@ mod tests {
                 .contains("stage 0: u0..u1 + u4..u5 (4 parameters)"),
             "{p}"
         );
+    }
+
+    #[test]
+    fn measured_costs_cut_where_parameter_counts_would_not() {
+        // An embedding: most parameters, little time; a head: no parameters of its own (tied),
+        // the most time.
+        let sizes = units(&[8, 2, 2, 2, 0]);
+        let by_params = Placement::new(sizes.clone(), 2, 1, &Split::Balanced).unwrap();
+        assert_eq!(by_params.chunk(0), 0..1);
+        let costs = Split::Costs(vec![1, 3, 3, 3, 5]);
+        let by_cost = Placement::new(sizes.clone(), 2, 1, &costs).unwrap();
+        assert_eq!(by_cost.chunk(0), 0..3);
+        assert_eq!(by_cost.chunk(1), 3..5);
+        assert!(
+            by_cost
+                .to_string()
+                .contains("stage 0: u0..u2 (12 parameters, 47% of the measured forward time)"),
+            "{by_cost}"
+        );
+        let err = Placement::new(sizes.clone(), 2, 1, &Split::Costs(vec![1, 2])).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("2 unit costs for a model of 5 units"),
+            "{err}"
+        );
+        let err = Placement::new(sizes, 2, 1, &Split::Measured).unwrap_err();
+        assert!(err.to_string().contains("measure_costs"), "{err}");
     }
 
     #[test]

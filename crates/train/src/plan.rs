@@ -44,11 +44,15 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
 
     /// Cuts the model for this rank's pipeline stage (before sharding). Only whole models are
     /// pipelined.
+    /// `world` (every rank of the job) agrees on measured unit costs, timed on micro-batches of
+    /// `microbatch` (rows, sequence) token ids, where the config asks for them.
     fn pipeline(
         &self,
         _model: Self::Model,
         _group: Arc<dyn ProcessGroup>,
         _config: &PipelineConfig,
+        _world: &dyn ProcessGroup,
+        _microbatch: [usize; 2],
     ) -> Result<(Pipeline, Self::Model)> {
         fail!(
             Recipe,
@@ -126,8 +130,18 @@ where
         model: M,
         group: Arc<dyn ProcessGroup>,
         config: &PipelineConfig,
+        world: &dyn ProcessGroup,
+        microbatch: [usize; 2],
     ) -> Result<(Pipeline, M)> {
-        Ok(Pipeline::new(model, group, config)?)
+        let mut config = config.clone();
+        if config.split == kiln_pipe::Split::Measured {
+            let device = model.devices().into_iter().next().unwrap_or_default();
+            // Token values do not change the cost of any unit: zeros will do.
+            let tokens = Tensor::<Train<B, C>, 2, Int>::zeros(microbatch, &device);
+            config.split =
+                kiln_pipe::Split::Costs(kiln_pipe::measure_costs(&model, tokens, world, 3)?);
+        }
+        Ok(Pipeline::new(model, group, &config)?)
     }
 
     fn pipe_step<O: Optimizer<M, Train<B, C>>>(

@@ -338,7 +338,9 @@ pub struct ParallelRecipe {
     #[serde(default = "one_f_one_b")]
     pub schedule: String,
     /// Where the pipeline's chunks start, as unit names after the first chunk (`h.2,h.5`;
-    /// the start of a run prints the units), or empty: chunks balanced by parameter count.
+    /// the start of a run prints the units); `measured`: chunks balanced by each unit's forward
+    /// time, measured on every rank at start (the slowest rank's figure counts); or empty:
+    /// chunks balanced by parameter count.
     #[serde(default)]
     pub split: String,
 }
@@ -620,6 +622,7 @@ impl Recipe {
     pub fn split(&self) -> kiln_pipe::Split {
         match self.parallel.split.trim() {
             "" => kiln_pipe::Split::Balanced,
+            "measured" => kiln_pipe::Split::Measured,
             s => kiln_pipe::Split::At(s.split(',').map(|u| u.trim().to_string()).collect()),
         }
     }

@@ -426,7 +426,14 @@ where
                 schedule: recipe.schedule()?,
                 split: recipe.split(),
             };
-            let (pipe, model) = plan.pipeline(model, stages.clone(), &config)?;
+            let rows = t.batch_size / dp_world / recipe.parallel.microbatches.max(1);
+            let (pipe, model) = plan.pipeline(
+                model,
+                stages.clone(),
+                &config,
+                group.as_ref(),
+                [rows.max(1), t.seq_len],
+            )?;
             (Some(pipe), model)
         }
         None => (None, model),
