@@ -78,13 +78,22 @@ fn run_rank(
     seq: usize,
     steps: usize,
     delay: Option<(Duration, Duration)>,
+    measured: bool,
 ) -> RankRun {
     attribute_to_rank(world.rank());
+    let split = if measured {
+        Split::Costs(
+            kiln_pipe::measure_costs(&model, tokens(rows, seq, 0, 0, 0), world.as_ref(), 3)
+                .unwrap(),
+        )
+    } else {
+        Split::Balanced
+    };
     let config = PipelineConfig {
         stages: world.world_size(),
         microbatches: m,
         schedule,
-        split: Split::Balanced,
+        split,
     };
     let (mut pipe, mut model) = Pipeline::new(model, world.clone(), &config).unwrap();
     if let Some((f, b)) = delay {
@@ -158,9 +167,20 @@ fn measure(
     rows: usize,
     seq: usize,
     steps: usize,
+    measured: bool,
 ) -> Measured {
     let per_rank = spawn_ranks(p, |world: LocalGroup| {
-        run_rank(Arc::new(world), make(), m, schedule, rows, seq, steps, None)
+        run_rank(
+            Arc::new(world),
+            make(),
+            m,
+            schedule,
+            rows,
+            seq,
+            steps,
+            None,
+            measured,
+        )
     });
     summarize(&per_rank, m, schedule)
 }
@@ -251,7 +271,7 @@ fn child(spec: &str) {
     );
     let world: Arc<dyn ProcessGroup> = Arc::new(kiln_comm::TcpGroup::from_env().unwrap());
     let (steps, act, params, state) =
-        run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay));
+        run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay), false);
     for (c, w, wall) in steps {
         println!("STEP {c} {w} {wall}");
     }
@@ -286,24 +306,35 @@ fn main() {
         "== Part 1: GPT-2 {layers} layers x d={d}, micro-batches of {rows} x {seq} tokens, real compute, 2 stages (threads), 5 steps (first untimed)"
     );
     let mut peaks = Vec::new();
-    for (m, schedule) in [
-        (2, ScheduleKind::OneFOneB),
-        (4, ScheduleKind::GPipe),
-        (4, ScheduleKind::OneFOneB),
-        (4, ScheduleKind::Interleaved { chunks: 2 }),
-        (8, ScheduleKind::GPipe),
-        (8, ScheduleKind::OneFOneB),
-        (8, ScheduleKind::Interleaved { chunks: 2 }),
+    for (m, schedule, measured) in [
+        (2, ScheduleKind::OneFOneB, false),
+        (4, ScheduleKind::GPipe, false),
+        (4, ScheduleKind::OneFOneB, false),
+        (4, ScheduleKind::Interleaved { chunks: 2 }, false),
+        (8, ScheduleKind::GPipe, false),
+        (8, ScheduleKind::OneFOneB, false),
+        (8, ScheduleKind::Interleaved { chunks: 2 }, false),
+        // Cut by each unit's measured forward time instead of its parameter count.
+        (4, ScheduleKind::GPipe, true),
+        (4, ScheduleKind::OneFOneB, true),
+        (8, ScheduleKind::GPipe, true),
+        (8, ScheduleKind::OneFOneB, true),
+        (8, ScheduleKind::Interleaved { chunks: 2 }, true),
     ] {
-        let r = measure(&make, 2, m, schedule, rows, seq, 5);
-        report(&format!("p 2, m {m}, {schedule}"), &r);
-        if m == 8 && schedule != (ScheduleKind::Interleaved { chunks: 2 }) {
+        let r = measure(&make, 2, m, schedule, rows, seq, 5, measured);
+        let split = if measured {
+            ", split by measured time"
+        } else {
+            ""
+        };
+        report(&format!("p 2, m {m}, {schedule}{split}"), &r);
+        if m == 8 && !measured && schedule != (ScheduleKind::Interleaved { chunks: 2 }) {
             peaks.push((schedule, r.activations));
         }
     }
     // What a stage holds against one device (the same model as a 1-stage pipeline).
-    let one = measure(&make, 1, 8, ScheduleKind::OneFOneB, rows, seq, 2);
-    let two = measure(&make, 2, 8, ScheduleKind::OneFOneB, rows, seq, 2);
+    let one = measure(&make, 1, 8, ScheduleKind::OneFOneB, rows, seq, 2, false);
+    let two = measure(&make, 2, 8, ScheduleKind::OneFOneB, rows, seq, 2, false);
     let (p1, s1) = one.held[0];
     for (stage, (p, s)) in two.held.iter().enumerate() {
         println!(
