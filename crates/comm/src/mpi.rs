@@ -12,7 +12,7 @@
 //!   and the MPI launcher ends the job. (Staging costs a copy in and out of the caller's
 //!   buffers, cheap beside the transfer itself.)
 //! - **Mismatches named.** Before each collective the ranks all-gather a descriptor (kind,
-//!   sequence number, element type, length), as [`NcclGroup`](crate::NcclGroup) does: a rank
+//!   sequence number, element type, length), as `NcclGroup` does: a rank
 //!   that called something else is [`CommError::Mismatch`] on every rank, not undefined
 //!   behaviour inside MPI.
 //! - **Sends do not wait for the receiver**, as on the local and TCP groups: `send` copies the
