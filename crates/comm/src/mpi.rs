@@ -487,6 +487,7 @@ impl MpiGroup {
     ) -> std::result::Result<Vec<Vec<u64>>, Unfinished> {
         // SAFETY: reading a predefined handle after MPI_Init.
         let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        let started = Instant::now();
         loop {
             let mut all_done = true;
             for req in reqs.iter_mut() {
@@ -517,9 +518,7 @@ impl MpiGroup {
                 self.abandon(hold);
                 return Err(Unfinished::TimedOut { pending });
             }
-            // MPI progresses inside MPI_Test (as inside its own blocking calls, which spin):
-            // sleeping here would stall large transfers.
-            std::thread::yield_now();
+            pause(started);
         }
     }
 
@@ -986,6 +985,7 @@ impl MpiGroup {
             let mut message: ffi::MPI_Message = unsafe { ffi::RSMPI_MESSAGE_NULL };
             // SAFETY: zeroed is a valid MPI_Status (plain integers).
             let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+            let started = Instant::now();
             loop {
                 let mut found: c_int = 0;
                 // SAFETY: valid out-pointers; MPI_ANY_TAG on the group's own p2p communicator.
@@ -1011,7 +1011,7 @@ impl MpiGroup {
                     });
                 }
                 // Progress for this rank's own pending sends happens here too.
-                std::thread::yield_now();
+                pause(started);
             }
             let sent_type = DType::from_code((status.MPI_TAG - P2P_TAG) as u8);
             let mut sent: c_int = 0;
@@ -1076,6 +1076,18 @@ impl MpiGroup {
             Ok(())
         })();
         result.inspect_err(|e| self.poison(e))
+    }
+}
+
+/// Between two polls of a wait that began at `started`. MPI progresses only inside its calls
+/// (its own blocking calls spin), so the first millisecond spins, for small messages' latency;
+/// after that a rank waiting on a peer sleeps 50 µs between polls rather than take a core from
+/// the ranks that compute beside it (a pipeline stage waits while the other computes).
+fn pause(started: Instant) {
+    if started.elapsed() < Duration::from_millis(1) {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
     }
 }
 
