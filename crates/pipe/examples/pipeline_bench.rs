@@ -28,8 +28,13 @@ type AB = Train<Flex>;
 const VOCAB: usize = 256;
 
 fn gpt2(layers: usize, d: usize, seq: usize) -> kiln_gpt2::Gpt2<AB> {
+    gpt2_with_vocab(layers, d, seq, VOCAB)
+}
+
+/// GPT-2 with a vocabulary of `vocab` tokens (the batches use the first 256).
+fn gpt2_with_vocab(layers: usize, d: usize, seq: usize, vocab: usize) -> kiln_gpt2::Gpt2<AB> {
     kiln_gpt2::Gpt2Config {
-        vocab_size: VOCAB,
+        vocab_size: vocab,
         n_positions: seq,
         n_embd: d,
         n_layer: layers,
@@ -96,6 +101,10 @@ fn run_rank(
         split,
     };
     let (mut pipe, mut model) = Pipeline::new(model, world.clone(), &config).unwrap();
+    if world.rank() == 0 && delay.is_none() {
+        let placement = pipe.placement().to_string();
+        println!("  {}", placement.trim_end().replace('\n', "; "));
+    }
     if let Some((f, b)) = delay {
         pipe = pipe.with_delay(f, b);
     }
@@ -331,6 +340,26 @@ fn main() {
         if m == 8 && !measured && schedule != (ScheduleKind::Interleaved { chunks: 2 }) {
             peaks.push((schedule, r.activations));
         }
+    }
+    // A large vocabulary: the tied head's matmul costs several blocks' compute, while the
+    // embedding holds as many parameters and costs a gather. Balancing parameter counts puts
+    // as many blocks beside each; balancing measured time moves blocks off the head's stage.
+    let vocab = 8192;
+    let wide = || gpt2_with_vocab(layers, d, seq, vocab);
+    println!("-- the same model with a vocabulary of {vocab} (tied head)");
+    for (schedule, measured) in [
+        (ScheduleKind::GPipe, false),
+        (ScheduleKind::GPipe, true),
+        (ScheduleKind::OneFOneB, false),
+        (ScheduleKind::OneFOneB, true),
+    ] {
+        let r = measure(&wide, 2, 8, schedule, rows, seq, 4, measured);
+        let split = if measured {
+            "split by measured time"
+        } else {
+            "split by parameter count"
+        };
+        report(&format!("p 2, m 8, {schedule}, vocab {vocab}, {split}"), &r);
     }
     // What a stage holds against one device (the same model as a 1-stage pipeline).
     let one = measure(&make, 1, 8, ScheduleKind::OneFOneB, rows, seq, 2, false);
