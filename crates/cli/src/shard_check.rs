@@ -21,7 +21,8 @@ pub struct ShardCheckArgs {
     /// Ranks as threads of this process, when not started by a launcher.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
-    /// Process group when launched: tcp, or nccl (GPUs; needs --features nccl).
+    /// Process group when launched: tcp, nccl (GPUs; needs --features nccl) or mpi (under
+    /// mpirun or srun; needs --features mpi).
     #[arg(long, default_value = "tcp")]
     backend: String,
     /// Inner backend: cpu (Flex), or cuda (needs --features cuda).

@@ -1,6 +1,7 @@
 //! `kiln` under Open MPI's `mpirun` with `parallel.backend = "mpi"` (feature `mpi`; CI
-//! installs Open MPI from Debian): training under every sharding strategy, and pipelines with
-//! ZeRO-3 or hybrid sharding on the data-parallel axis, equals the same job on one machine, `kiln comm-check` passes, and a job that MPI did not start is
+//! installs Open MPI from Debian): `shard-check` of every strategy at 2 to 4 ranks, training
+//! under every sharding strategy, and pipelines with ZeRO-3 or hybrid sharding on the
+//! data-parallel axis, equal the same job on one device or machine, `kiln comm-check` passes, and a job that MPI did not start is
 //! refused with the reason.
 #![cfg(feature = "mpi")]
 
@@ -117,6 +118,39 @@ fn training_under_mpirun_equals_one_machine() {
             "{name}: mpirun {a} vs one machine {b}"
         );
         eprintln!("{name}: mpirun {a}, one machine {b}");
+    }
+}
+
+#[test]
+fn every_strategy_equals_one_device_under_mpirun() {
+    // `kiln shard-check`: 20 AdamW steps of a strategy over the job against one device, from
+    // rank-seeded random weights (which sharding must make rank 0's), losses and parameters.
+    for (strategy, n) in [
+        ("ddp", 2),
+        ("zero1", 2),
+        ("zero2", 3),
+        ("zero3", 2),
+        ("zero3", 3),
+        ("hybrid:2", 4),
+    ] {
+        let mut c = mpirun(n);
+        c.args([
+            "shard-check",
+            "--backend",
+            "mpi",
+            "--strategy",
+            strategy,
+            "--steps",
+            "20",
+        ])
+        .args(["--init", "burn"]);
+        let t = run_ok(c);
+        let shown = strategy.replace("hybrid:2", "hybrid(shard 2)");
+        assert!(
+            t.contains(&format!("rank 0 of {n}: {shown}, 20 steps")),
+            "{t}"
+        );
+        assert!(!t.contains("FAIL"), "{t}");
     }
 }
 
