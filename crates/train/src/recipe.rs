@@ -315,7 +315,8 @@ pub struct ParallelRecipe {
     /// Expected world size under a launcher (0: whatever the launcher says). A mismatch is an
     /// error, not a silently different global batch.
     pub world_size: usize,
-    /// Process group under a launcher: `tcp`, or `nccl` (GPUs; needs the `nccl` feature).
+    /// Process group under a launcher: `tcp`, `nccl` (GPUs; needs the `nccl` feature) or `mpi`
+    /// (a job started by `mpirun` or `srun`; needs the `mpi` feature).
     pub backend: String,
     /// Communication on a thread of its own, overlapping computation (gradient buckets reduced
     /// during backward, ZeRO-3 parameters prefetched). Off: blocking collectives (for
