@@ -431,14 +431,24 @@ fn record_as<B: Backend>(
     let Some(pool) = RECORDING.with(|r| r.borrow().clone()) else {
         return ShardTensor::Local(op(inputs.into_iter().map(local).collect()));
     };
-    let parents: Vec<Parent<B>> = inputs
-        .into_iter()
-        .map(|t| match t {
-            ShardTensor::Remat(h) => Parent::Cell(h.cell.clone()),
-            t => Parent::Kept(t),
-        })
-        .collect();
-    let values: Vec<Prim<B>> = parents.iter().map(Parent::value).collect();
+    let mut parents = Vec::with_capacity(inputs.len());
+    let mut values: Vec<Prim<B>> = Vec::with_capacity(inputs.len());
+    for t in inputs {
+        match t {
+            ShardTensor::Remat(h) => {
+                parents.push(Parent::Cell(h.cell.clone()));
+                // Read before the handle goes: when it is the last one, dropping it gives the
+                // cell's value up (only the new cell's recipe names it now), and the op gets
+                // the one reference left, which Flex may then reuse in place. Dropping it
+                // first would throw the value away and compute it again at once.
+                values.push(h.value());
+            }
+            t => {
+                values.push(local(t.clone()));
+                parents.push(Parent::Kept(t));
+            }
+        }
+    }
     let read: usize = values.iter().map(|v| v.shape().num_elements()).sum();
     let contracted = values
         .first()
@@ -478,5 +488,37 @@ impl Drop for Timed<'_> {
     fn drop(&mut self) {
         self.0
             .fetch_add(self.1.elapsed().as_nanos() as u64, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Tensor, TensorData};
+
+    type K = crate::Shard<burn::backend::Flex>;
+
+    /// A chain of ops that each consume the last handle on their input (no autodiff keeps
+    /// anything): under a budget nothing exceeds, nothing is computed twice and every
+    /// intermediate is given up as soon as its child exists.
+    #[test]
+    fn intermediates_named_only_by_recipes_are_not_computed_again() {
+        let pool = Pool::new(usize::MAX);
+        let device = Default::default();
+        let x = Tensor::<K, 2>::from_data(TensorData::new(vec![0.5f32; 64], [8, 8]), &device);
+        let (y, held) = recording(&pool, || {
+            let y = ((x + 1.0) * 2.0).exp().sum_dim(1).sqrt();
+            (y, pool.held())
+        });
+        let expected = (((0.5f32 + 1.0) * 2.0).exp() * 8.0).sqrt();
+        for v in y.into_data().to_vec::<f32>().unwrap() {
+            assert!((v - expected).abs() <= 1e-6 * expected, "{v} vs {expected}");
+        }
+        let stats = pool.stats();
+        assert_eq!(stats.recomputations, 0, "{stats:?}");
+        // Only the last op's value (8 f32) was resident at the end; those before it were given
+        // up (evictions count them: Burn may run one of these ops as several).
+        assert_eq!(held, 8 * 4);
+        assert!(stats.evictions >= 4, "{stats:?}");
     }
 }
