@@ -232,7 +232,8 @@ impl<B: Backend> Evictable for Cell<B> {
         // Staleness damped by a logarithm: with DTR's linear staleness, the oldest values (the
         // first layers') went first, and backward then recomputed each early layer from the
         // input through evicted chains. Measured on 12 layers at a budget of 1/3 of the
-        // activations (scripts/bench-remat.sh): linear 3.03x the step time of no remat,
+        // activations (scripts/bench-remat.sh, before forward stopped computing every
+        // intermediate twice): linear 3.03x the step time of no remat,
         // staleness^0.25 2.15x, 1 + ln(staleness) 1.96x, none 2.46x.
         let staleness = (now.saturating_sub(self.last_use.load(Relaxed)) + 1) as f64;
         cost / (self.bytes.max(1) as f64 * (1.0 + staleness.ln()))
