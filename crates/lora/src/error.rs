@@ -37,11 +37,8 @@ pub enum LoraError {
         /// Its weight's shape.
         dims: Vec<usize>,
     },
-    /// Dropout on the adapters' input was asked for.
-    #[error(
-        "LoRA dropout {0}: kiln trains adapters as merged weights W + s·(BA)ᵀ, where dropout on the \
-         adapter's input has no equivalent; set it to 0"
-    )]
+    /// A dropout that is not a probability below 1.
+    #[error("LoRA dropout {0}: it must be a probability in [0, 1)")]
     Dropout(f64),
     /// An adapter file does not fit the model.
     #[error("{path}: {what}")]

@@ -7,6 +7,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use kiln_hf::{HfTensorName, SafetensorsFile};
+use kiln_shard::lowrank::LowRankOps;
 use std::collections::HashMap;
 
 /// How a model's parameters are named in files and target patterns: Hugging Face names for
@@ -238,14 +239,14 @@ impl SplitMix64 {
 /// `B` is zero, so the model starts equal to its base.
 ///
 /// # Errors
-/// As [`find_targets`]; a dropout other than 0.
+/// As [`find_targets`]; a dropout outside `[0, 1)`.
 pub fn lora<B: Backend, M: Module<B>>(
     base: M,
     config: &LoraConfig,
     naming: Naming,
     device: &B::Device,
 ) -> Result<Lora<B, M>, LoraError> {
-    if config.dropout != 0.0 {
+    if !(0.0..1.0).contains(&config.dropout) {
         return Err(LoraError::Dropout(config.dropout));
     }
     let targets = find_targets::<B, M>(&base, config, naming)?;
@@ -337,16 +338,14 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// Replaces the weights at some paths by `f(weight, delta)`, and QLoRA placeholders by their
 /// weights (`weights`) first.
-struct Apply<B: Backend, F> {
+struct Apply<B: Backend, T, F> {
     stack: Vec<String>,
-    deltas: HashMap<String, Tensor<B, 2>>,
+    deltas: HashMap<String, T>,
     weights: HashMap<String, Tensor<B, 2>>,
     f: F,
 }
 
-impl<B: Backend, F: FnMut(Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>> ModuleMapper<B>
-    for Apply<B, F>
-{
+impl<B: Backend, T, F: FnMut(Tensor<B, 2>, T) -> Tensor<B, 2>> ModuleMapper<B> for Apply<B, T, F> {
     fn enter_module(&mut self, name: &str, _: &str) {
         self.stack.push(name.to_string());
     }
@@ -396,6 +395,18 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
                 (t.path.clone(), if detach { d.detach() } else { d })
             })
             .collect();
+        self.map_targets(base, dequantized, deltas, f)
+    }
+
+    /// Maps each target weight `w` of `base` to `f(w, deltas[path])`, QLoRA placeholders
+    /// replaced by their dequantised weights first when `dequantized`.
+    fn map_targets<T>(
+        &self,
+        base: M,
+        dequantized: bool,
+        deltas: HashMap<String, T>,
+        f: impl FnMut(Tensor<B, 2>, T) -> Tensor<B, 2>,
+    ) -> M {
         let weights = match dequantized {
             true => self
                 .quantized_paths
@@ -411,14 +422,6 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             weights,
             f,
         })
-    }
-
-    /// The base with `W + s Aᵀ Bᵀ` in place of each target, differentiable in the adapters:
-    /// the model to run forward. Cheap: untouched parameters are shared, and each merged
-    /// weight costs one `[in, r] x [r, out]` product (plus, under QLoRA, the dequantisation of
-    /// each 4-bit weight).
-    pub fn merged(&self) -> M {
-        self.apply(self.base.clone(), false, true, |w, d| w + d)
     }
 
     /// The base with the adapters merged in for good (`W += s (B A)ᵀ`), detached from the
@@ -549,8 +552,36 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
     }
 }
 
-/// A language model with adapters is a language model: its forward runs on the merged weights.
-impl<B: Backend, M: Module<B> + kiln_hf::CausalLm<B>> kiln_hf::CausalLm<B> for Lora<B, M> {
+impl<B: LowRankOps, M: Module<B>> Lora<B, M> {
+    /// The base with a LoRA weight standing for `W + s Aᵀ Bᵀ` in place of each target,
+    /// differentiable in the adapters: the model to run forward. Its `Linear`s compute PEFT's
+    /// `x W + s (drop(x) Aᵀ) Bᵀ`, with the config's dropout while the adapters train, and
+    /// their backward gives the adapters their gradients without forming the weight's
+    /// (`kiln_shard::lowrank`). Cheap: untouched parameters are shared, and under QLoRA each
+    /// 4-bit weight is dequantised.
+    pub fn merged(&self) -> M {
+        let (s, p) = (self.scaling(), self.config.dropout);
+        let factors = self
+            .targets
+            .iter()
+            .zip(&self.adapters)
+            .map(|(t, a)| (t.path.clone(), (a.a.val(), a.b.val())))
+            .collect();
+        self.map_targets(self.base.clone(), true, factors, |w, (a, b)| {
+            let weight = B::lora_weight(
+                w.into_primitive().tensor(),
+                a.into_primitive().tensor(),
+                b.into_primitive().tensor(),
+                s,
+                p,
+            );
+            Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(weight))
+        })
+    }
+}
+
+/// A language model with adapters is a language model: its forward runs on the LoRA weights.
+impl<B: LowRankOps, M: Module<B> + kiln_hf::CausalLm<B>> kiln_hf::CausalLm<B> for Lora<B, M> {
     fn forward(&self, input_ids: Tensor<B, 2, burn::tensor::Int>) -> Tensor<B, 3> {
         self.merged().forward(input_ids)
     }

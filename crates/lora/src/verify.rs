@@ -101,7 +101,7 @@ pub fn verify_lora<B, AB, M>(
 ) -> Result<Vec<Check>, LoraError>
 where
     B: Backend,
-    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    AB: AutodiffBackend<InnerBackend = Shard<B>> + kiln_shard::lowrank::LowRankOps,
     M: CausalLm<AB> + AutodiffModule<AB> + HfNaming,
     Lora<AB, M>: AutodiffModule<AB>,
 {

@@ -31,6 +31,7 @@ mod hook;
 mod on_device;
 mod ops;
 mod optim;
+pub mod lowrank;
 pub mod pieces;
 pub mod precision;
 mod prefetch;

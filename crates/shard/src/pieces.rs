@@ -35,7 +35,10 @@ pub struct Piece {
 /// On a view of a shard (`ShardTensor::View`): parameters and optimizer state are never views.
 pub fn held_range<B: Backend>(t: &ShardTensor<B>) -> Range<usize> {
     match t {
-        ShardTensor::Local(t) => 0..t.shape().num_elements(),
+        // A LoRA weight or a deferred gradient is read whole (formed).
+        ShardTensor::Local(_) | ShardTensor::LowRank(_) | ShardTensor::WeightGrad(_) => {
+            0..t.shape().num_elements()
+        }
         ShardTensor::Sharded(s) => shard_range(s.numel(), s.group.world_size(), s.group.rank()),
         ShardTensor::View(_) => panic!("kiln: a snapshot piece of a view (not a parameter)"),
         ShardTensor::Remat(_) => {
@@ -95,6 +98,8 @@ pub fn from_values<B: Backend>(
 pub fn like<B: Backend>(like: &ShardTensor<B>, values: Vec<f32>) -> ShardTensor<B> {
     let (device, dtype, group) = match like {
         ShardTensor::Local(t) => (B::float_device(t), t.dtype(), None),
+        ShardTensor::LowRank(w) => (w.device(), w.dtype(), None),
+        ShardTensor::WeightGrad(g) => (g.device(), g.dtype(), None),
         ShardTensor::Sharded(s) => (B::float_device(&s.shard), s.shard.dtype(), Some(&s.group)),
         ShardTensor::View(_) => panic!("kiln: new values for a view (not a parameter)"),
         ShardTensor::Remat(_) => panic!("kiln: new values for an activation (not a parameter)"),

@@ -27,6 +27,12 @@ pub enum ShardTensor<B: Backend> {
     /// A whole tensor recorded for rematerialisation (inside a step's forward under a memory
     /// budget): its value may be given up and computed again when read (see [`crate::remat`]).
     Remat(crate::remat::Handle<B>),
+    /// A LoRA weight `W + s Aᵀ Bᵀ`, formed only when used other than by `Linear` (see
+    /// [`crate::lowrank`]).
+    LowRank(Arc<crate::lowrank::LowRank<B>>),
+    /// A `Linear`'s weight gradient `Σ xᵀ dy`, formed only when read other than by a LoRA
+    /// weight's op (see [`crate::lowrank`]).
+    WeightGrad(Arc<crate::lowrank::WeightGrad<B>>),
 }
 
 /// A shard seen through layout ops: `ops` applied in order to the gathered `base`.
@@ -151,6 +157,8 @@ impl<B: Backend> TensorMetadata for ShardTensor<B> {
             ShardTensor::Sharded(s) => s.shard.dtype(),
             ShardTensor::View(v) => v.base.shard.dtype(),
             ShardTensor::Remat(h) => h.dtype(),
+            ShardTensor::LowRank(w) => w.dtype(),
+            ShardTensor::WeightGrad(g) => g.dtype(),
         }
     }
 
@@ -160,6 +168,8 @@ impl<B: Backend> TensorMetadata for ShardTensor<B> {
             ShardTensor::Sharded(s) => s.shape.clone(),
             ShardTensor::View(v) => v.shape.clone(),
             ShardTensor::Remat(h) => h.shape(),
+            ShardTensor::LowRank(w) => w.shape(),
+            ShardTensor::WeightGrad(g) => g.shape(),
         }
     }
 }
@@ -177,6 +187,8 @@ impl<B: Backend> ShardTensor<B> {
             ShardTensor::Sharded(s) => (s.shard.shape().num_elements(), s.shard.dtype()),
             ShardTensor::View(v) => (v.base.shard.shape().num_elements(), v.base.shard.dtype()),
             ShardTensor::Remat(h) => (h.shape().num_elements(), h.dtype()),
+            // Neither holds a tensor of its own shape.
+            ShardTensor::LowRank(_) | ShardTensor::WeightGrad(_) => (0, self.dtype()),
         };
         numel * dtype.size()
     }

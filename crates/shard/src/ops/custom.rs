@@ -1,6 +1,7 @@
 //! The hand-written exceptions of the forwarding (see `forward.rs` for the rest).
 
 use super::policy::{Host, collective_failed, local, read, view, write};
+use crate::remat::{record, record_compute};
 use crate::tensor::ViewOp;
 use crate::{Shard, ShardTensor};
 use burn_backend::ops::*;
@@ -113,6 +114,8 @@ pub(crate) fn float_device<B: Backend>(tensor: &FloatTensor<Shard<B>>) -> Device
         ShardTensor::Sharded(s) => B::float_device(&s.shard),
         ShardTensor::View(v) => B::float_device(&v.base.shard),
         ShardTensor::Remat(h) => h.device(),
+        ShardTensor::LowRank(w) => w.device(),
+        ShardTensor::WeightGrad(g) => g.device(),
     }
 }
 
@@ -122,6 +125,7 @@ pub(crate) fn float_is_require_grad<B: Backend>(tensor: &FloatTensor<Shard<B>>) 
         ShardTensor::Sharded(s) => B::float_is_require_grad(&s.shard),
         ShardTensor::View(v) => B::float_is_require_grad(&v.base.shard),
         ShardTensor::Remat(h) => B::float_is_require_grad(&h.value()),
+        ShardTensor::LowRank(_) | ShardTensor::WeightGrad(_) => false,
     }
 }
 
@@ -190,7 +194,10 @@ fn reduce_all<B: Backend>(
         }
         ShardTensor::Sharded(s) => s,
         // A view may slice or expand: reduce what it shows.
-        v @ (ShardTensor::View(_) | ShardTensor::Remat(_)) => {
+        v @ (ShardTensor::View(_)
+        | ShardTensor::Remat(_)
+        | ShardTensor::LowRank(_)
+        | ShardTensor::WeightGrad(_)) => {
             return ShardTensor::Local(local_op(local(v)));
         }
     };
@@ -380,4 +387,55 @@ impl<B: Backend> TransactionOps<Self> for Shard<B> {
         ))
         .await
     }
+}
+
+/// `Linear`'s forward: on a LoRA weight, PEFT's factored form (see [`crate::lowrank`]).
+pub(crate) fn linear<B: Backend>(
+    x: FloatTensor<Shard<B>>,
+    weight: FloatTensor<Shard<B>>,
+    bias: Option<FloatTensor<Shard<B>>>,
+) -> FloatTensor<Shard<B>> {
+    if let ShardTensor::LowRank(w) = weight {
+        return crate::lowrank::linear::<B>(x, w, bias);
+    }
+    let has_bias = bias.is_some();
+    let mut inputs = vec![x, weight];
+    inputs.extend(bias);
+    record_compute(inputs, move |t| {
+        let mut t = t.into_iter();
+        B::linear(
+            t.next().expect("input"),
+            t.next().expect("input"),
+            has_bias.then(|| t.next().expect("input")),
+        )
+    })
+}
+
+/// `Linear`'s input gradient: on a LoRA weight, through the factors and the dropout mask.
+pub(crate) fn linear_x_backward<B: Backend>(
+    weight: FloatTensor<Shard<B>>,
+    output_grad: FloatTensor<Shard<B>>,
+) -> FloatTensor<Shard<B>> {
+    if let ShardTensor::LowRank(w) = weight {
+        return crate::lowrank::linear_x_backward::<B>(w, output_grad);
+    }
+    record(vec![weight, output_grad], move |t| {
+        let mut t = t.into_iter();
+        B::linear_x_backward(t.next().expect("input"), t.next().expect("input"))
+    })
+}
+
+/// `Linear`'s weight gradient: deferred while LoRA weights are alive, so that a LoRA weight's
+/// op turns `x` and `dy` into its adapters' gradients without forming `Σ xᵀ dy`.
+pub(crate) fn linear_weight_backward<B: Backend>(
+    x: FloatTensor<Shard<B>>,
+    output_grad: FloatTensor<Shard<B>>,
+) -> FloatTensor<Shard<B>> {
+    if crate::lowrank::deferring() {
+        return crate::lowrank::defer_weight_grad::<B>(x, output_grad);
+    }
+    record(vec![x, output_grad], move |t| {
+        let mut t = t.into_iter();
+        B::linear_weight_backward(t.next().expect("input"), t.next().expect("input"))
+    })
 }

@@ -1269,37 +1269,19 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let has_bias = bias.is_some();
-        let mut inputs = Vec::new();
-        inputs.push(x);
-        inputs.push(weight);
-        inputs.extend(bias);
-        record_compute(inputs, move |t| {
-            let mut t = t.into_iter();
-            B::linear(
-                t.next().expect("input"),
-                t.next().expect("input"),
-                has_bias.then(|| t.next().expect("input")),
-            )
-        })
+        custom::linear::<B>(x, weight, bias)
     }
     fn linear_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        record(vec![weight, output_grad], move |t| {
-            let mut t = t.into_iter();
-            B::linear_x_backward(t.next().expect("input"), t.next().expect("input"))
-        })
+        custom::linear_x_backward::<B>(weight, output_grad)
     }
     fn linear_weight_backward(
         x: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        record(vec![x, output_grad], move |t| {
-            let mut t = t.into_iter();
-            B::linear_weight_backward(t.next().expect("input"), t.next().expect("input"))
-        })
+        custom::linear_weight_backward::<B>(x, output_grad)
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         record(vec![output_grad], move |t| {

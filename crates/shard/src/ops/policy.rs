@@ -139,6 +139,8 @@ pub(crate) fn local<B: Backend>(t: FloatTensor<crate::Shard<B>>) -> B::FloatTens
         ShardTensor::Sharded(s) => gather(&s),
         ShardTensor::View(v) => v.ops.iter().fold(gather(&v.base), |t, op| op.apply::<B>(t)),
         ShardTensor::Remat(h) => h.value(),
+        ShardTensor::LowRank(w) => w.formed(),
+        ShardTensor::WeightGrad(g) => g.formed(),
     }
 }
 
@@ -146,7 +148,10 @@ pub(crate) fn local<B: Backend>(t: FloatTensor<crate::Shard<B>>) -> B::FloatTens
 /// [`ShardTensor::View`]), so that no whole parameter outlives the op that uses it.
 pub(crate) fn view<B: Backend>(t: ShardTensor<B>, op: ViewOp) -> ShardTensor<B> {
     match t {
-        t @ (ShardTensor::Local(_) | ShardTensor::Remat(_)) => {
+        t @ (ShardTensor::Local(_)
+        | ShardTensor::Remat(_)
+        | ShardTensor::LowRank(_)
+        | ShardTensor::WeightGrad(_)) => {
             crate::remat::record(vec![t], move |mut t| op.apply::<B>(t.remove(0)))
         }
         ShardTensor::Sharded(base) => {
@@ -189,9 +194,10 @@ pub(crate) fn unary<B: Backend>(
     f: impl Fn(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive + Send + Sync + 'static,
 ) -> ShardTensor<B> {
     match t {
-        t @ (ShardTensor::Local(_) | ShardTensor::Remat(_)) => {
-            crate::remat::record(vec![t], move |mut t| f(t.remove(0)))
-        }
+        t @ (ShardTensor::Local(_)
+        | ShardTensor::Remat(_)
+        | ShardTensor::LowRank(_)
+        | ShardTensor::WeightGrad(_)) => crate::remat::record(vec![t], move |mut t| f(t.remove(0))),
         ShardTensor::Sharded(s) => ShardTensor::Sharded(Sharded {
             shard: f(s.shard),
             shape: s.shape,

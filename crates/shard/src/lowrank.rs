@@ -1,0 +1,403 @@
+//! LoRA's weights as PEFT computes them, reached through a model's own `Linear`s.
+//!
+//! [`LowRankOps::lora_weight`] gives a model, in place of a frozen weight `W` `[in, out]`, a
+//! tensor standing for `W + s Aᵀ Bᵀ` (`A` `[r, in]`, `B` `[out, r]`: PEFT's `lora_A`,
+//! `lora_B`) that is never formed when the model uses it through `Linear` (Burn's
+//! `module::linear`, which every `burn-nn` `Linear` calls):
+//!
+//! - forward, `linear(x, ·)` is `x W + s (drop(x) Aᵀ) Bᵀ`: PEFT's `base(x) + s B A drop(x)`,
+//!   dropout (`lora_dropout`) on the adapter's input only, one mask per target and forward;
+//! - backward, `linear_x_backward` is `dy Wᵀ + s drop'((dy B) A)`, and the weight's gradient
+//!   (`linear_weight_backward`) is deferred ([`ShardTensor::WeightGrad`]): the op that made
+//!   the weight turns `x` and `dy` into `A`'s and `B`'s gradients by thin products
+//!   (`s (dy B)ᵀ drop(x)`, `s dyᵀ (drop(x) Aᵀ)`), so the `[in, out]` gradient of a frozen weight
+//!   is never computed either.
+//!
+//! Any other use of the weight (a `matmul`, a transpose, reading it) sees `W + s Aᵀ Bᵀ`
+//! formed on demand, and its gradient arrives whole; that is exact without dropout and an
+//! error with it (dropout belongs to the adapter's input in one `Linear`, which such a use
+//! does not have).
+//!
+//! Autodiff's side is a custom op ([`Backward`]) whose parents are `A` and `B` only: the frozen
+//! base weight receives no gradient.
+
+use crate::ops::policy::local;
+use crate::precision::widen;
+use crate::{Shard, ShardTensor};
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, Distribution, TensorMetadata};
+use burn_std::Shape;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+type Prim<B> = <B as burn_backend::BackendTypes>::FloatTensorPrimitive;
+
+/// Backends that can stand a LoRA weight in for a frozen one: kiln's decorator, with and
+/// without autodiff.
+pub trait LowRankOps: Backend {
+    /// A tensor standing for `w + scaling · aᵀ bᵀ` (`w` `[in, out]`, `a` `[r, in]`,
+    /// `b` `[out, r]`), used by `Linear` without being formed (see the module docs), with
+    /// inverted dropout of probability `dropout` on the adapter's input while the adapters
+    /// are being trained.
+    fn lora_weight(
+        w: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        scaling: f64,
+        dropout: f64,
+    ) -> FloatTensor<Self>;
+}
+
+/// The LoRA weights alive: while there are none, `linear_weight_backward` computes at once
+/// (full fine-tuning is unchanged); while there are, it defers, for their ops to find.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether a weight gradient should be deferred (see [`LIVE`]).
+pub(crate) fn deferring() -> bool {
+    LIVE.load(Relaxed) > 0
+}
+
+/// `w + scaling · aᵀ bᵀ`, not formed.
+pub struct LowRank<B: Backend> {
+    w: ShardTensor<B>,
+    a: ShardTensor<B>,
+    b: ShardTensor<B>,
+    scaling: f64,
+    /// The dropout probability; 0 outside training.
+    dropout: f64,
+    /// The dropout mask of the one `linear` that used the weight (values 0 or 1/(1-p)), kept
+    /// for backward; `Some(None)` once used without dropout.
+    mask: Mutex<Option<Option<Prim<B>>>>,
+}
+
+impl<B: Backend> std::fmt::Debug for LowRank<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LowRank")
+            .field("shape", &self.w.shape())
+            .field("r", &self.a.shape()[0])
+            .field("scaling", &self.scaling)
+            .field("dropout", &self.dropout)
+            .finish()
+    }
+}
+
+impl<B: Backend> Drop for LowRank<B> {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, Relaxed);
+    }
+}
+
+impl<B: Backend> LowRank<B> {
+    fn new(
+        w: ShardTensor<B>,
+        a: ShardTensor<B>,
+        b: ShardTensor<B>,
+        scaling: f64,
+        dropout: f64,
+    ) -> Arc<Self> {
+        let (ws, as_, bs) = (w.shape(), a.shape(), b.shape());
+        assert!(
+            ws.num_dims() == 2
+                && as_.num_dims() == 2
+                && bs.num_dims() == 2
+                && as_[1] == ws[0]
+                && bs[0] == ws[1]
+                && as_[0] == bs[1],
+            "kiln: a LoRA weight [in, out] = {:?} needs A [r, in] and B [out, r]; got A {:?}, B {:?}",
+            ws.as_slice(),
+            as_.as_slice(),
+            bs.as_slice()
+        );
+        assert!(
+            (0.0..1.0).contains(&dropout),
+            "kiln: LoRA dropout {dropout} is not a probability in [0, 1)"
+        );
+        LIVE.fetch_add(1, Relaxed);
+        Arc::new(LowRank {
+            w,
+            a,
+            b,
+            scaling,
+            dropout,
+            mask: Mutex::new(None),
+        })
+    }
+
+    /// The logical shape, `[in, out]`.
+    pub fn shape(&self) -> Shape {
+        self.w.shape()
+    }
+
+    /// The dtype of the base weight.
+    pub fn dtype(&self) -> burn_backend::DType {
+        self.w.dtype()
+    }
+
+    /// The device of the base weight.
+    pub(crate) fn device(&self) -> B::Device {
+        crate::ops::custom::float_device::<B>(&self.w)
+    }
+
+    /// `w + s aᵀ bᵀ`, formed (for any use other than `linear`).
+    pub fn formed(&self) -> Prim<B> {
+        let w = local(self.w.clone());
+        let dtype = w.dtype();
+        let a = widen::<B>(local(self.a.clone()), dtype);
+        let b = widen::<B>(local(self.b.clone()), dtype);
+        let delta = B::float_matmul(B::float_swap_dims(a, 0, 1), B::float_swap_dims(b, 0, 1));
+        B::float_add(w, B::float_mul_scalar(delta, (self.scaling as f32).into()))
+    }
+
+    /// `x`'s dropout mask for this weight's one `linear`, drawn on first use.
+    fn take_mask(&self, x: &Prim<B>) -> Option<Prim<B>> {
+        let mut slot = self.mask.lock().expect("LoRA mask");
+        if let Some(mask) = slot.as_ref() {
+            assert!(
+                self.dropout == 0.0,
+                "kiln: a LoRA target with dropout {} was used by two Linear calls in one \
+                 forward (a shared or repeated layer); PEFT's dropout is one mask per layer \
+                 call, which kiln keeps one of per target: use lora dropout 0 for this model",
+                self.dropout
+            );
+            return mask.clone();
+        }
+        let mask = (self.dropout > 0.0).then(|| {
+            let keep = 1.0 - self.dropout;
+            let draw = B::float_random(
+                x.shape(),
+                Distribution::Bernoulli(keep),
+                &B::float_device(x),
+                x.dtype().into(),
+            );
+            B::float_mul_scalar(draw, ((1.0 / keep) as f32).into())
+        });
+        *slot = Some(mask.clone());
+        mask
+    }
+
+    /// The mask the forward drew, if any.
+    fn mask(&self) -> Option<Prim<B>> {
+        self.mask.lock().expect("LoRA mask").clone().flatten()
+    }
+}
+
+/// The adapters' factors `A` `[r, in]` and `B` `[out, r]`, whole, as `dtype`.
+fn factors<B: Backend>(w: &LowRank<B>, dtype: burn_backend::DType) -> (Prim<B>, Prim<B>) {
+    (
+        widen::<B>(local(w.a.clone()), dtype),
+        widen::<B>(local(w.b.clone()), dtype),
+    )
+}
+
+/// `linear(x, w, bias)` of a LoRA weight: `x W + bias + s (drop(x) Aᵀ) Bᵀ`.
+pub(crate) fn linear<B: Backend>(
+    x: ShardTensor<B>,
+    w: Arc<LowRank<B>>,
+    bias: Option<ShardTensor<B>>,
+) -> ShardTensor<B> {
+    let mut inputs = vec![x];
+    let has_bias = bias.is_some();
+    inputs.extend(bias);
+    // The mask is drawn now, once: a recomputation under a memory budget reuses it.
+    let mask = {
+        let x = local(inputs[0].clone());
+        w.take_mask(&x)
+    };
+    crate::remat::record_compute(inputs, move |t| {
+        let mut t = t.into_iter();
+        let x = t.next().expect("input");
+        let bias = has_bias.then(|| t.next().expect("bias"));
+        let dtype = x.dtype();
+        let base = widen::<B>(local(w.w.clone()), dtype);
+        let (a, b) = factors(&w, dtype);
+        let dropped = match &mask {
+            Some(m) => B::float_mul(x.clone(), widen::<B>(m.clone(), dtype)),
+            None => x.clone(),
+        };
+        let y = B::linear(x, base, bias);
+        let low = B::linear(B::linear(dropped, B::float_swap_dims(a, 0, 1), None), B::float_swap_dims(b, 0, 1), None);
+        B::float_add(y, B::float_mul_scalar(low, (w.scaling as f32).into()))
+    })
+}
+
+/// `linear_x_backward` of a LoRA weight: `dy Wᵀ + s drop'((dy B) A)`.
+pub(crate) fn linear_x_backward<B: Backend>(
+    w: Arc<LowRank<B>>,
+    dy: ShardTensor<B>,
+) -> ShardTensor<B> {
+    let dy = local(dy);
+    let dtype = dy.dtype();
+    let base = widen::<B>(local(w.w.clone()), dtype);
+    let (a, b) = factors(&w, dtype);
+    let dx = B::linear_x_backward(base, dy.clone());
+    // (dy B) A: `linear` with B [out, r] and A [r, in] as its `[in, out]` weights.
+    let low = B::linear(B::linear(dy, b, None), a, None);
+    let low = match w.mask() {
+        Some(m) => B::float_mul(low, widen::<B>(m, dtype)),
+        None => low,
+    };
+    ShardTensor::Local(B::float_add(
+        dx,
+        B::float_mul_scalar(low, (w.scaling as f32).into()),
+    ))
+}
+
+/// `x` and `dy` of a `Linear`, whose weight gradient `Σ xᵀ dy` is formed only if something
+/// other than a LoRA weight's op reads it.
+#[derive(Debug, Clone)]
+pub struct WeightGrad<B: Backend> {
+    x: ShardTensor<B>,
+    dy: ShardTensor<B>,
+}
+
+impl<B: Backend> WeightGrad<B> {
+    /// `[in, out]`.
+    pub fn shape(&self) -> Shape {
+        let (x, dy) = (self.x.shape(), self.dy.shape());
+        Shape::new([x[x.num_dims() - 1], dy[dy.num_dims() - 1]])
+    }
+
+    /// The gradient's dtype (the output gradient's).
+    pub fn dtype(&self) -> burn_backend::DType {
+        self.dy.dtype()
+    }
+
+    /// The device.
+    pub(crate) fn device(&self) -> B::Device {
+        crate::ops::custom::float_device::<B>(&self.dy)
+    }
+
+    /// `Σ xᵀ dy`, formed.
+    pub fn formed(&self) -> Prim<B> {
+        B::linear_weight_backward(local(self.x.clone()), local(self.dy.clone()))
+    }
+
+    /// `x` and `dy` as `[tokens, in]` and `[tokens, out]`.
+    fn flat(&self, dtype: burn_backend::DType) -> (Prim<B>, Prim<B>) {
+        let [fan_in, fan_out] = self.shape().dims();
+        let x = widen::<B>(local(self.x.clone()), dtype);
+        let dy = widen::<B>(local(self.dy.clone()), dtype);
+        let tokens = x.shape().num_elements() / fan_in;
+        (
+            B::float_reshape(x, Shape::new([tokens, fan_in])),
+            B::float_reshape(dy, Shape::new([tokens, fan_out])),
+        )
+    }
+}
+
+/// The deferred weight gradient of a `Linear` (see [`WeightGrad`]).
+pub(crate) fn defer_weight_grad<B: Backend>(x: ShardTensor<B>, dy: ShardTensor<B>) -> ShardTensor<B> {
+    ShardTensor::WeightGrad(Arc::new(WeightGrad { x, dy }))
+}
+
+/// `A`'s and `B`'s gradients from the weight's: thin products of `x` and `dy` when deferred,
+/// the dense formulas otherwise.
+fn adapter_grads<B: Backend>(w: &LowRank<B>, grad: ShardTensor<B>) -> (Prim<B>, Prim<B>) {
+    let dtype = w.a.dtype();
+    let (a, b) = factors(w, dtype);
+    let s = (w.scaling as f32).into();
+    match grad {
+        ShardTensor::WeightGrad(g) => {
+            let (x, dy) = g.flat(dtype);
+            let x = match w.mask() {
+                Some(m) => {
+                    let m = widen::<B>(m, dtype);
+                    let m = B::float_reshape(m, x.shape());
+                    B::float_mul(x, m)
+                }
+                None => x,
+            };
+            // dA = s (dy B)ᵀ drop(x)   [r, in];   dB = s dyᵀ (drop(x) Aᵀ)   [out, r].
+            let dy_b = B::float_matmul(dy.clone(), b);
+            let da = B::float_matmul(B::float_swap_dims(dy_b, 0, 1), x.clone());
+            let x_a = B::float_matmul(x, B::float_swap_dims(a, 0, 1));
+            let db = B::float_matmul(B::float_swap_dims(dy, 0, 1), x_a);
+            (B::float_mul_scalar(da, s), B::float_mul_scalar(db, s))
+        }
+        whole => {
+            assert!(
+                w.dropout == 0.0,
+                "kiln: a LoRA target with dropout {} was used by an op other than one Linear \
+                 (its weight was read as a matrix), where the adapter's input is not known: \
+                 use lora dropout 0 for this model",
+                w.dropout
+            );
+            // G = dL/dW [in, out]: dA = s Bᵀ Gᵀ, dB = s Gᵀ Aᵀ.
+            let g = widen::<B>(local(whole), dtype);
+            let gt = B::float_swap_dims(g, 0, 1);
+            let da = B::float_matmul(B::float_swap_dims(b, 0, 1), gt.clone());
+            let db = B::float_matmul(gt, B::float_swap_dims(a, 0, 1));
+            (B::float_mul_scalar(da, s), B::float_mul_scalar(db, s))
+        }
+    }
+}
+
+impl<B: Backend> LowRankOps for Shard<B> {
+    fn lora_weight(
+        w: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        scaling: f64,
+        _dropout: f64,
+    ) -> FloatTensor<Self> {
+        // Without autodiff nothing trains: no dropout.
+        ShardTensor::LowRank(LowRank::new(w, a, b, scaling, 0.0))
+    }
+}
+
+/// Autodiff's op for [`LowRankOps::lora_weight`]: parents `A` and `B`.
+#[derive(Debug)]
+struct LoraWeight;
+
+impl<B: Backend> Backward<Shard<B>, 2> for LoraWeight {
+    type State = Arc<LowRank<B>>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_a, node_b] = ops.parents;
+        let grad = grads.consume::<Shard<B>>(&ops.node);
+        let (da, db) = adapter_grads(&ops.state, grad);
+        if let Some(node) = node_a {
+            grads.register::<Shard<B>>(node.id, ShardTensor::Local(da));
+        }
+        if let Some(node) = node_b {
+            grads.register::<Shard<B>>(node.id, ShardTensor::Local(db));
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> LowRankOps for Autodiff<Shard<B>, C> {
+    fn lora_weight(
+        w: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        scaling: f64,
+        dropout: f64,
+    ) -> FloatTensor<Self> {
+        assert!(
+            !w.is_tracked(),
+            "kiln: a LoRA target's base weight must be frozen (it requires a gradient)"
+        );
+        match LoraWeight
+            .prepare::<C>([a.node.clone(), b.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let weight = LowRank::new(w.primitive, a.primitive, b.primitive, scaling, dropout);
+                prep.finish(weight.clone(), ShardTensor::LowRank(weight))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(ShardTensor::LowRank(LowRank::new(
+                w.primitive,
+                a.primitive,
+                b.primitive,
+                scaling,
+                0.0,
+            ))),
+        }
+    }
+}
