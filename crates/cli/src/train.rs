@@ -197,6 +197,10 @@ pub struct FinetuneArgs {
     /// lora.alpha: updates scaled by alpha / r (default 2 r).
     #[arg(long)]
     lora_alpha: Option<f64>,
+    /// lora.dropout: dropout on the adapters' input while training, PEFT's lora_dropout
+    /// (default 0).
+    #[arg(long)]
+    lora_dropout: Option<f64>,
     /// lora.targets, comma-separated: module names (q_proj, PEFT's rule), globs
     /// (*.attn.c_attn) or all-linear. Default: the attention projections (Llama: q_proj,
     /// k_proj, v_proj, o_proj; GPT-2: c_attn, attn.c_proj).
@@ -277,6 +281,9 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
         };
         let list: Vec<String> = targets.into_iter().map(quote).collect();
         o.push(format!("lora.targets=[{}]", list.join(", ")));
+    }
+    if let Some(p) = args.lora_dropout {
+        o.push(format!("lora.dropout={p:?}"));
     }
     if let Some(dir) = &args.adapter {
         o.push(format!("lora.adapter={}", quote(dir.display().to_string())));

@@ -86,12 +86,20 @@ mod tests {
         }
     }
 
+    /// Flex's random numbers come from one process-wide generator: tests that draw hold this,
+    /// so that the dropout test's re-seeded draws are not interleaved with another test's.
+    fn rng() -> std::sync::MutexGuard<'static, ()> {
+        static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        RNG.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn max_diff<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
         (a - b).abs().max().into_scalar()
     }
 
     #[test]
     fn forward_is_base_plus_scaled_low_rank_and_only_adapters_learn() {
+        let _rng = rng();
         let device = Default::default();
         let base = Mlp::<B>::new(&device);
         let mut model = lora(base.clone(), &config(&["up"]), burn_names, &device).unwrap();
@@ -131,8 +139,122 @@ mod tests {
         assert!(max_diff(back.up.weight.val(), base.up.weight.val()) < 1e-6);
     }
 
+    /// PEFT's `lora_dropout`: `base(x) + s B A drop(x)`, one mask per target, on the adapter's
+    /// input only; gradients of the adapters and of the input as autodiff gives them for that
+    /// formula written out with the same masks.
+    #[test]
+    fn dropout_is_on_the_adapter_input_with_exact_gradients() {
+        let _rng = rng();
+        use burn::module::AutodiffModule;
+        use burn::tensor::backend::Backend as _;
+        let device = Default::default();
+        let base = Mlp::<B>::new(&device);
+        let config = LoraConfig {
+            dropout: 0.5,
+            ..config(&["up", "down"])
+        };
+        let mut model = lora(base.clone(), &config, burn_names, &device).unwrap();
+        for (adapter, out) in model.adapters.iter_mut().zip([10, 3]) {
+            adapter.b = burn::module::Param::from_tensor(Tensor::random(
+                [out, 2],
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            ));
+        }
+        let x = Tensor::<B, 2>::random([5, 6], Distribution::Normal(0.0, 1.0), &device);
+        let weights = Tensor::<B, 2>::random([5, 3], Distribution::Normal(0.0, 1.0), &device);
+
+        B::seed(&device, 11);
+        let x_got = x.clone().require_grad();
+        let got = model.merged().forward(x_got.clone());
+        let grads = (got.clone() * weights.clone()).sum().backward();
+
+        // The same draws, in the order the forward made them: `up`'s input, then `down`'s.
+        B::seed(&device, 11);
+        let mask = |shape: [usize; 2]| {
+            Tensor::<B, 2>::random(shape, Distribution::Bernoulli(0.5), &device).mul_scalar(2.0)
+        };
+        let (mask_up, mask_down) = (mask([5, 6]), mask([5, 10]));
+        assert!(mask_up.clone().equal_elem(0.0).any().into_scalar());
+        let factor = |i: usize| {
+            let a: &Adapter<B> = &model.adapters[i];
+            (
+                a.a.val().detach().require_grad(),
+                a.b.val().detach().require_grad(),
+            )
+        };
+        let ((a_up, b_up), (a_down, b_down)) = (factor(0), factor(1));
+        let x_want = x.clone().require_grad();
+        let low = |x: Tensor<B, 2>, a: &Tensor<B, 2>, b: &Tensor<B, 2>| {
+            x.matmul(a.clone().transpose())
+                .matmul(b.clone().transpose())
+                .mul_scalar(3.0)
+        };
+        let h = burn::tensor::activation::relu(
+            base.up.forward(x_want.clone()) + low(x_want.clone() * mask_up, &a_up, &b_up),
+        );
+        let want = base.down.forward(h.clone()) + low(h * mask_down, &a_down, &b_down);
+        let want_grads = (want.clone() * weights).sum().backward();
+
+        assert!(max_diff(got.clone(), want.clone()) < 1e-5);
+        let grad =
+            |t: &Tensor<B, 2>, g: &<B as burn::tensor::backend::AutodiffBackend>::Gradients| {
+                Tensor::<B, 2>::from_inner(t.grad(g).expect("a gradient"))
+            };
+        for (got_t, want_t) in [
+            (&model.adapters[0].a.val(), &a_up),
+            (&model.adapters[0].b.val(), &b_up),
+            (&model.adapters[1].a.val(), &a_down),
+            (&model.adapters[1].b.val(), &b_down),
+            (&x_got, &x_want),
+        ] {
+            let (g, w) = (grad(got_t, &grads), grad(want_t, &want_grads));
+            assert!(w.clone().abs().max().into_scalar() > 1e-3);
+            assert!(max_diff(g, w) < 1e-5);
+        }
+        // Without dropout the output would differ: the masks were applied.
+        let plain = lora(
+            base.clone(),
+            &LoraConfig {
+                dropout: 0.0,
+                ..config.clone()
+            },
+            burn_names,
+            &device,
+        )
+        .unwrap();
+        let plain = Lora {
+            adapters: model.adapters.clone(),
+            ..plain
+        };
+        assert!(max_diff(plain.merged().forward(x.clone()), got) > 1e-3);
+        // Evaluation (no autodiff) has no dropout.
+        let eval = model.valid().merged().forward(x.clone().inner());
+        let plain = plain.merged().forward(x).inner();
+        assert!((eval - plain).abs().max().into_scalar() < 1e-5);
+    }
+
+    /// A LoRA target with dropout used twice in one forward has two inputs and one mask slot:
+    /// named, never trained on a wrong gradient.
+    #[test]
+    #[should_panic(expected = "used by two Linear calls in one forward")]
+    fn dropout_on_a_layer_called_twice_is_refused() {
+        let _rng = rng();
+        let device = Default::default();
+        let base = Mlp::<B>::new(&device);
+        let config = LoraConfig {
+            dropout: 0.1,
+            ..config(&["up"])
+        };
+        let model = lora(base, &config, burn_names, &device).unwrap();
+        let merged = model.merged();
+        let x = Tensor::<B, 2>::random([2, 6], Distribution::Normal(0.0, 1.0), &device);
+        let _ = merged.up.forward(x.clone()) + merged.up.forward(x);
+    }
+
     #[test]
     fn bad_targets_are_named() {
+        let _rng = rng();
         let device = Default::default();
         let base = Mlp::<B>::new(&device);
         let err = lora(base.clone(), &config(&["q_proj"]), burn_names, &device).unwrap_err();
@@ -182,6 +304,7 @@ mod tests {
 
     #[test]
     fn peft_files_round_trip() {
+        let _rng = rng();
         let device = Default::default();
         let dir = std::env::temp_dir().join(format!("kiln-lora-rt-{}", std::process::id()));
         let mut model = lora(
@@ -232,6 +355,7 @@ mod tests {
 
     #[test]
     fn qlora_runs_on_the_dequantised_base_and_trains_the_adapters() {
+        let _rng = rng();
         use crate::quant::{Nf4Matrix, Nf4Weight};
         use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
         let device = Default::default();

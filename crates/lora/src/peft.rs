@@ -173,11 +173,18 @@ fn read_config(dir: &Path) -> Result<LoraConfig, LoraError> {
             path: path.clone(),
             what: "no number 'lora_alpha'".into(),
         })?;
+    let dropout = field("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0);
+    if !(0.0..1.0).contains(&dropout) {
+        return Err(LoraError::Mismatch {
+            path: path.clone(),
+            what: format!("lora_dropout {dropout} is not a probability in [0, 1)"),
+        });
+    }
     Ok(LoraConfig {
         r,
         alpha,
-        // Dropout is a training-time setting of the run that made the adapter.
-        dropout: 0.0,
+        // Applied if the adapter is trained further, as PEFT would.
+        dropout,
         targets: Vec::new(),
         rslora: field("use_rslora").and_then(Value::as_bool) == Some(true),
         seed: 0,

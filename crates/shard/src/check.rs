@@ -252,6 +252,7 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         remat_budget: opts.remat_budget,
         precision: opts.precision,
         loss_scale: None,
+        dropout_seed: None,
     };
     for step in 0..opts.steps {
         let micro = local / opts.accumulate;

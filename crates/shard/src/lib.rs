@@ -27,11 +27,11 @@ pub mod check;
 #[cfg(feature = "cuda")]
 pub mod device;
 mod hook;
+pub mod lowrank;
 #[cfg(feature = "cuda")]
 mod on_device;
 mod ops;
 mod optim;
-pub mod lowrank;
 pub mod pieces;
 pub mod precision;
 mod prefetch;

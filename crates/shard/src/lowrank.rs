@@ -168,12 +168,20 @@ impl<B: Backend> LowRank<B> {
         }
         let mask = (self.dropout > 0.0).then(|| {
             let keep = 1.0 - self.dropout;
-            let draw = B::float_random(
-                x.shape(),
-                Distribution::Bernoulli(keep),
-                &B::float_device(x),
-                x.dtype().into(),
-            );
+            let device = B::float_device(x);
+            let draw = match next_mask_seed() {
+                Some(seed) => {
+                    let values = bernoulli(seed, x.shape().num_elements(), keep);
+                    let data = burn_backend::TensorData::new(values, x.shape());
+                    widen::<B>(B::float_from_data(data, &device), x.dtype())
+                }
+                None => B::float_random(
+                    x.shape(),
+                    Distribution::Bernoulli(keep),
+                    &device,
+                    x.dtype().into(),
+                ),
+            };
             B::float_mul_scalar(draw, ((1.0 / keep) as f32).into())
         });
         *slot = Some(mask.clone());
@@ -184,6 +192,54 @@ impl<B: Backend> LowRank<B> {
     fn mask(&self) -> Option<Prim<B>> {
         self.mask.lock().expect("LoRA mask").clone().flatten()
     }
+}
+
+thread_local! {
+    /// The seed of this thread's dropout masks and how many it has drawn (see [`masks_seeded`]).
+    static MASKS: std::cell::Cell<Option<(u64, u64)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with this thread's LoRA dropout masks drawn from kiln's own generator, the `i`-th
+/// mask from `(seed, i)`: a step seeded from the run's seed, the step and the rank draws the
+/// same masks however the run got there (resumed or not) and whatever other threads draw.
+/// Outside, masks come from the backend's generator (Burn's `Backend::seed`).
+pub fn masks_seeded<R>(seed: u64, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<(u64, u64)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            MASKS.with(|m| m.set(self.0));
+        }
+    }
+    let _restore = Restore(MASKS.with(|m| m.replace(Some((seed, 0)))));
+    f()
+}
+
+fn next_mask_seed() -> Option<u64> {
+    MASKS.with(|m| {
+        let (seed, i) = m.get()?;
+        m.set(Some((seed, i + 1)));
+        Some(splitmix(seed ^ splitmix(i.wrapping_add(0x6c6f_7261))))
+    })
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// `n` draws of 1 (probability `keep`) or 0 from `seed`.
+fn bernoulli(seed: u64, n: usize, keep: f64) -> Vec<f32> {
+    let threshold = (keep * (1u64 << 53) as f64) as u64;
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let z = splitmix(state) >> 11;
+            if z < threshold { 1.0 } else { 0.0 }
+        })
+        .collect()
 }
 
 /// The adapters' factors `A` `[r, in]` and `B` `[out, r]`, whole, as `dtype`.
@@ -220,7 +276,11 @@ pub(crate) fn linear<B: Backend>(
             None => x.clone(),
         };
         let y = B::linear(x, base, bias);
-        let low = B::linear(B::linear(dropped, B::float_swap_dims(a, 0, 1), None), B::float_swap_dims(b, 0, 1), None);
+        let low = B::linear(
+            B::linear(dropped, B::float_swap_dims(a, 0, 1), None),
+            B::float_swap_dims(b, 0, 1),
+            None,
+        );
         B::float_add(y, B::float_mul_scalar(low, (w.scaling as f32).into()))
     })
 }
@@ -291,7 +351,10 @@ impl<B: Backend> WeightGrad<B> {
 }
 
 /// The deferred weight gradient of a `Linear` (see [`WeightGrad`]).
-pub(crate) fn defer_weight_grad<B: Backend>(x: ShardTensor<B>, dy: ShardTensor<B>) -> ShardTensor<B> {
+pub(crate) fn defer_weight_grad<B: Backend>(
+    x: ShardTensor<B>,
+    dy: ShardTensor<B>,
+) -> ShardTensor<B> {
     ShardTensor::WeightGrad(Arc::new(WeightGrad { x, dy }))
 }
 

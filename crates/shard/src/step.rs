@@ -47,6 +47,11 @@ pub struct StepConfig {
     /// and the scale halved. The scale after the step is in [`StepStats::loss_scale`]: pass it
     /// to the next step.
     pub loss_scale: Option<LossScale>,
+    /// Seeds the LoRA dropout masks drawn in this step on this thread
+    /// ([`crate::lowrank::masks_seeded`]): derived from the run's seed, the step and the
+    /// rank, so a resumed run draws what the uninterrupted one did. `None`: the backend's
+    /// generator.
+    pub dropout_seed: Option<u64>,
 }
 
 impl Default for StepConfig {
@@ -58,6 +63,7 @@ impl Default for StepConfig {
             remat_budget: None,
             precision: Precision::F32,
             loss_scale: None,
+            dropout_seed: None,
         }
     }
 }
@@ -209,7 +215,10 @@ where
             pool: pool.as_ref(),
             scale,
         };
-        let (total, grads) = grads(&model, &passes);
+        let (total, grads) = match config.dropout_seed {
+            Some(seed) => crate::lowrank::masks_seeded(seed, || grads(&model, &passes)),
+            None => grads(&model, &passes),
+        };
         // One global norm serves clipping and the overflow check; every rank sees the same norm
         // (the sharded parts are all-reduced, the whole gradients are equal), so every rank takes
         // the same decision.

@@ -240,7 +240,13 @@ where
         // tensor in `start`, so that under ZeRO-3 it is never whole on a rank.
         let base = M::from_config(&self.config, device);
         let model = match &self.lora.adapter {
-            Some(dir) => kiln_lora::load_peft(base, dir, M::hf_tensor, device)?,
+            Some(dir) => {
+                let mut model = kiln_lora::load_peft(base, dir, M::hf_tensor, device)?;
+                if self.lora.dropout != 0.0 {
+                    model.config.dropout = self.lora.dropout;
+                }
+                model
+            }
             None => kiln_lora::lora(
                 base,
                 &self.lora.config(recipe.train.seed),

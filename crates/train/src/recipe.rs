@@ -48,7 +48,9 @@ pub struct LoraRecipe {
     /// Scale by `alpha / sqrt(r)` instead (rsLoRA).
     #[serde(default)]
     pub rslora: bool,
-    /// Dropout on the adapters' input; kiln's merged-weight adapters refuse anything but 0.
+    /// Dropout on the adapters' input while training (PEFT's `lora_dropout`): `base(x) +
+    /// s B A drop(x)`. With `adapter`, that directory's `lora_dropout` unless this is set
+    /// (non-zero).
     #[serde(default)]
     pub dropout: f64,
     /// QLoRA: the base's linear weights (every `Linear` but `lm_head`, and every target)

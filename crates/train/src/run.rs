@@ -613,6 +613,10 @@ where
         let (x, y) = tensors::<Train<B, C>>(&b, device);
         let config = kiln_shard::StepConfig {
             loss_scale,
+            // LoRA dropout's masks: from the seed, the step and the rank only.
+            dropout_seed: Some(mix(t.seed
+                ^ mix(step as u64)
+                ^ ((group.rank() as u64) << 40))),
             ..step_config
         };
         let (stepped, stats) = match &pipe {

@@ -70,13 +70,16 @@ fn weights(dir: &Path) -> Vec<(String, burn::tensor::TensorData)> {
 fn finetune_resumes_exactly_and_snapshots_hold_adapters_only() {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    // With PEFT's dropout on the adapters' input: its masks depend on the seed, the step and
+    // the rank only, so the resumed run draws what the whole one drew.
+    let dropout = ["lora.dropout=0.2"];
     let whole = common::run(
-        &finetune(&a, "tiny-gpt2", "ddp", r#"["c_attn"]"#, &[]),
+        &finetune(&a, "tiny-gpt2", "ddp", r#"["c_attn"]"#, &dropout),
         1,
         false,
         None,
     );
-    let r = finetune(&b, "tiny-gpt2", "ddp", r#"["c_attn"]"#, &[]);
+    let r = finetune(&b, "tiny-gpt2", "ddp", r#"["c_attn"]"#, &dropout);
     let first = common::run(&r, 1, false, Some(3));
     let snap = Snapshot::open(first.snapshot.as_ref().unwrap()).unwrap();
     let names: Vec<&String> = snap.manifest.tensors.keys().collect();
@@ -90,6 +93,22 @@ fn finetune_resumes_exactly_and_snapshots_hold_adapters_only() {
     // The base's validation loss came first, and training moved it.
     let before = whole.val_loss_before.unwrap();
     assert!(whole.val_loss.unwrap() < before, "{whole:?}");
+    // The dropout was applied: without it the same run trains otherwise (the first step's
+    // loss is the base's either way, B being zero).
+    let plain = common::run(
+        &finetune(
+            &tmp.path().join("c"),
+            "tiny-gpt2",
+            "ddp",
+            r#"["c_attn"]"#,
+            &[],
+        ),
+        1,
+        false,
+        None,
+    );
+    assert_eq!(plain.losses[0], whole.losses[0]);
+    assert_ne!(plain.losses[2..], whole.losses[2..]);
 }
 
 #[test]
@@ -238,9 +257,9 @@ fn bad_lora_settings_are_named() {
         "tiny-gpt2",
         "ddp",
         r#"["c_attn"]"#,
-        &["lora.dropout=0.1"],
+        &["lora.dropout=1.0"],
     ));
-    assert!(msg.contains("dropout 0.1"), "{msg}");
+    assert!(msg.contains("dropout 1: it must be a probability"), "{msg}");
     // An adapter trained on GPT-2, given to Llama.
     common::run(
         &finetune(&out, "tiny-gpt2", "ddp", r#"["c_attn"]"#, &[]),
