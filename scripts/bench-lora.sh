@@ -7,6 +7,7 @@
 #
 #     bash scripts/bench-lora.sh                       # 8 layers x 256, r=8 on q,k,v,o
 #     R=16 TARGETS=all-linear bash scripts/bench-lora.sh
+#     DROPOUT=0.05 bash scripts/bench-lora.sh             # the dropout of the fourth run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,7 @@ SEQ=${SEQ:-128}
 STEPS=${STEPS:-12}
 R=${R:-8}
 TARGETS=${TARGETS:-q_proj,k_proj,v_proj,o_proj}
+DROPOUT=${DROPOUT:-0.1}
 DATA=${DATA:-synthetic}
 KILN=${KILN:-target/release/kiln}
 [ -x "$KILN" ] || cargo build --release -p kiln-cli
@@ -67,6 +69,10 @@ read -r l_params l_opt l_peak l_t l_val < <(summarise "$out/lora" "$out/lora/ada
   --lora-r "$R" --targets "$TARGETS" --qlora --out "$out/qlora" --overwrite >"$out/qlora.log" 2>&1 ||
   { cat "$out/qlora.log" >&2; exit 1; }
 read -r q_params q_opt q_peak q_t q_val < <(summarise "$out/qlora" "$out/qlora/adapter/adapter_model.safetensors")
+"$KILN" finetune --base "$out/base" "${common[@]}" --steps "$STEPS" --set train.lr=3e-3 \
+  --lora-r "$R" --targets "$TARGETS" --lora-dropout "$DROPOUT" --out "$out/drop" --overwrite >"$out/drop.log" 2>&1 ||
+  { cat "$out/drop.log" >&2; exit 1; }
+read -r d_params d_opt d_peak d_t d_val < <(summarise "$out/drop" "$out/drop/adapter/adapter_model.safetensors")
 base_val=$(python3 -c "import json;print([json.loads(l)['val_loss'] for l in open('$out/lora/metrics.jsonl') if '\"val_loss\"' in l][0])")
 
 printf '%-22s %14s %16s %14s %10s %10s\n' run "trainable" "optimizer MiB" "peak MiB" "s/step" "val loss"
@@ -76,9 +82,13 @@ printf '%-22s %14d %16.2f %14.1f %10.3f %10.4f\n' "LoRA r=$R" "$l_params" \
   "$(echo "$l_opt/1048576" | bc -l)" "$(echo "$l_peak/1048576" | bc -l)" "$l_t" "$l_val"
 printf '%-22s %14d %16.2f %14.1f %10.3f %10.4f\n' "QLoRA r=$R" "$q_params" \
   "$(echo "$q_opt/1048576" | bc -l)" "$(echo "$q_peak/1048576" | bc -l)" "$q_t" "$q_val"
+printf '%-22s %14d %16.2f %14.1f %10.3f %10.4f\n' "LoRA r=$R dropout $DROPOUT" "$d_params" \
+  "$(echo "$d_opt/1048576" | bc -l)" "$(echo "$d_peak/1048576" | bc -l)" "$d_t" "$d_val"
 printf 'LoRA / full: trainable %.4f, optimizer %.4f, peak %.2f, step time %.2f; validation loss of the base %.4f\n' \
   "$(echo "$l_params/$f_params" | bc -l)" "$(echo "$l_opt/$f_opt" | bc -l)" \
   "$(echo "$l_peak/$f_peak" | bc -l)" "$(echo "$l_t/$f_t" | bc -l)" "$base_val"
 printf 'QLoRA / full: peak %.2f, step time %.2f; QLoRA - LoRA validation loss %+.4f\n' \
   "$(echo "$q_peak/$f_peak" | bc -l)" "$(echo "$q_t/$f_t" | bc -l)" "$(echo "$q_val-$l_val" | bc -l)"
+printf 'LoRA with dropout / full: peak %.2f, step time %.2f\n' \
+  "$(echo "$d_peak/$f_peak" | bc -l)" "$(echo "$d_t/$f_t" | bc -l)"
 grep -o 'QLoRA: .*' "$out/qlora.log"

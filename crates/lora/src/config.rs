@@ -11,8 +11,8 @@ pub struct LoraConfig {
     /// The scale numerator: updates are scaled by `alpha / r` (by `alpha / sqrt(r)` under
     /// `rslora`).
     pub alpha: f64,
-    /// Dropout on the adapters' input. kiln applies adapters as merged weights (see the crate
-    /// docs), where such a dropout has no equivalent: anything but 0 is refused.
+    /// Dropout on the adapters' input while they train (PEFT's `lora_dropout`):
+    /// `base(x) + s B A drop(x)`, in `[0, 1)`.
     pub dropout: f64,
     /// Which weights get adapters (see [`matches`]): module paths' last components (`q_proj`),
     /// globs over the module path (`*.attn.c_attn`), or `all-linear`.

@@ -17,17 +17,17 @@
 //! - QLoRA ([`LoraConfig::qlora`], [`Lora::quantize_base`], [`Lora::load_base`]): the base's
 //!   linear weights in NF4 with double quantisation ([`quant`]), dequantised on use.
 //!
-//! # The key decision: adapters as merged weights
-//! PEFT replaces each targeted `nn.Linear` with a layer computing `base(x) + s B A x`; kiln cannot
-//! replace a layer of a model whose code it does not own. Instead the forward runs on the base
-//! module with each targeted weight replaced by `W + s Aᵀ Bᵀ`, computed in the autodiff graph
-//! from the adapters ([`Lora::merged`]); backward brings the weight's gradient to `A` and `B`.
-//! This is exact (the same function; float rounding differs by the order of the sums, about
-//! 1e-7 relative), reaches every module, and costs per target one `[in, r] x [r, out]` product
-//! forward and backward, one merged weight held for backward, and the weight's full gradient
-//! `xᵀ dy` that PEFT's layer never forms (the frozen, untargeted weights get no gradient
-//! at all). What it cannot express is dropout on the adapter's input (PEFT's `lora_dropout`):
-//! [`lora`] refuses it rather than train something else.
+//! # The key decision: LoRA weights the model's `Linear`s compute with as PEFT does
+//! PEFT replaces each targeted `nn.Linear` with a layer computing `base(x) + s B A drop(x)`;
+//! kiln cannot replace a layer of a model whose code it does not own. Instead the forward runs
+//! on the base module with each targeted weight replaced by a LoRA weight
+//! ([`Lora::merged`], `kiln_shard::lowrank::LowRankOps::lora_weight`) standing for
+//! `W + s Aᵀ Bᵀ`, unformed. Burn's `Linear` calls the backend's `linear` op, which kiln's
+//! decorator implements: on a LoRA weight it computes `x W + s (drop(x) Aᵀ) Bᵀ` forward, and
+//! backward gives `A` and `B` their gradients by thin products of `x` and `dy` (the weight's
+//! `[in, out]` gradient is never formed; the frozen `W` gets none). Dropout (PEFT's
+//! `lora_dropout`) is on the adapter's input only. A target used other than through `Linear`
+//! sees `W + s Aᵀ Bᵀ` formed, exact without dropout and an error with it.
 #![warn(missing_docs)]
 
 pub mod config;

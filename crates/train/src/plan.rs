@@ -243,6 +243,9 @@ where
             Some(dir) => {
                 let mut model = kiln_lora::load_peft(base, dir, M::hf_tensor, device)?;
                 if self.lora.dropout != 0.0 {
+                    if !(0.0..1.0).contains(&self.lora.dropout) {
+                        return Err(kiln_lora::LoraError::Dropout(self.lora.dropout).into());
+                    }
                     model.config.dropout = self.lora.dropout;
                 }
                 model
