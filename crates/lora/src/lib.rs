@@ -209,8 +209,11 @@ mod tests {
             (&x_got, &x_want),
         ] {
             let (g, w) = (grad(got_t, &grads), grad(want_t, &want_grads));
-            assert!(w.clone().abs().max().into_scalar() > 1e-3);
-            assert!(max_diff(g, w) < 1e-5);
+            let scale = w.clone().abs().max().into_scalar();
+            assert!(scale > 1e-3);
+            // Relative: the products are summed in another order.
+            let d = max_diff(g, w) / scale;
+            assert!(d < 1e-6, "{d}");
         }
         // Without dropout the output would differ: the masks were applied.
         let plain = lora(

@@ -70,9 +70,11 @@ pub struct LowRank<B: Backend> {
     scaling: f64,
     /// The dropout probability; 0 outside training.
     dropout: f64,
+    /// Whether a `linear` used the weight.
+    used: std::sync::atomic::AtomicBool,
     /// The dropout mask of the one `linear` that used the weight (values 0 or 1/(1-p)), kept
-    /// for backward; `Some(None)` once used without dropout.
-    mask: Mutex<Option<Option<Prim<B>>>>,
+    /// for backward.
+    mask: Mutex<Option<Prim<B>>>,
 }
 
 impl<B: Backend> std::fmt::Debug for LowRank<B> {
@@ -124,6 +126,7 @@ impl<B: Backend> LowRank<B> {
             b,
             scaling,
             dropout,
+            used: std::sync::atomic::AtomicBool::new(false),
             mask: Mutex::new(None),
         })
     }
@@ -153,44 +156,52 @@ impl<B: Backend> LowRank<B> {
         B::float_add(w, B::float_mul_scalar(delta, (self.scaling as f32).into()))
     }
 
-    /// `x`'s dropout mask for this weight's one `linear`, drawn on first use.
-    fn take_mask(&self, x: &Prim<B>) -> Option<Prim<B>> {
+    /// Marks the weight used by a `linear`: a second use under dropout is refused (one mask
+    /// slot per target).
+    fn claim(&self) {
+        let used = self.used.swap(true, Relaxed);
+        assert!(
+            !used || self.dropout == 0.0,
+            "kiln: a LoRA target with dropout {} was used by two Linear calls in one forward (a \
+             shared or repeated layer); PEFT's dropout is one mask per layer call, which kiln \
+             keeps one of per target: use lora dropout 0 for this model",
+            self.dropout
+        );
+    }
+
+    /// `x`'s dropout mask for this weight's `linear`: drawn when the op first runs, the same
+    /// when a memory budget has it run again.
+    fn mask_for(&self, x: &Prim<B>) -> Option<Prim<B>> {
+        if self.dropout == 0.0 {
+            return None;
+        }
         let mut slot = self.mask.lock().expect("LoRA mask");
         if let Some(mask) = slot.as_ref() {
-            assert!(
-                self.dropout == 0.0,
-                "kiln: a LoRA target with dropout {} was used by two Linear calls in one \
-                 forward (a shared or repeated layer); PEFT's dropout is one mask per layer \
-                 call, which kiln keeps one of per target: use lora dropout 0 for this model",
-                self.dropout
-            );
-            return mask.clone();
+            return Some(mask.clone());
         }
-        let mask = (self.dropout > 0.0).then(|| {
-            let keep = 1.0 - self.dropout;
-            let device = B::float_device(x);
-            let draw = match next_mask_seed() {
-                Some(seed) => {
-                    let values = bernoulli(seed, x.shape().num_elements(), keep);
-                    let data = burn_backend::TensorData::new(values, x.shape());
-                    widen::<B>(B::float_from_data(data, &device), x.dtype())
-                }
-                None => B::float_random(
-                    x.shape(),
-                    Distribution::Bernoulli(keep),
-                    &device,
-                    x.dtype().into(),
-                ),
-            };
-            B::float_mul_scalar(draw, ((1.0 / keep) as f32).into())
-        });
+        let keep = 1.0 - self.dropout;
+        let device = B::float_device(x);
+        let draw = match next_mask_seed() {
+            Some(seed) => {
+                let values = bernoulli(seed, x.shape().num_elements(), keep);
+                let data = burn_backend::TensorData::new(values, x.shape());
+                widen::<B>(B::float_from_data(data, &device), x.dtype())
+            }
+            None => B::float_random(
+                x.shape(),
+                Distribution::Bernoulli(keep),
+                &device,
+                x.dtype().into(),
+            ),
+        };
+        let mask = B::float_mul_scalar(draw, ((1.0 / keep) as f32).into());
         *slot = Some(mask.clone());
-        mask
+        Some(mask)
     }
 
     /// The mask the forward drew, if any.
     fn mask(&self) -> Option<Prim<B>> {
-        self.mask.lock().expect("LoRA mask").clone().flatten()
+        self.mask.lock().expect("LoRA mask").clone()
     }
 }
 
@@ -256,19 +267,16 @@ pub(crate) fn linear<B: Backend>(
     w: Arc<LowRank<B>>,
     bias: Option<ShardTensor<B>>,
 ) -> ShardTensor<B> {
+    w.claim();
     let mut inputs = vec![x];
     let has_bias = bias.is_some();
     inputs.extend(bias);
-    // The mask is drawn now, once: a recomputation under a memory budget reuses it.
-    let mask = {
-        let x = local(inputs[0].clone());
-        w.take_mask(&x)
-    };
     crate::remat::record_compute(inputs, move |t| {
         let mut t = t.into_iter();
         let x = t.next().expect("input");
         let bias = has_bias.then(|| t.next().expect("bias"));
         let dtype = x.dtype();
+        let mask = w.mask_for(&x);
         let base = widen::<B>(local(w.w.clone()), dtype);
         let (a, b) = factors(&w, dtype);
         let dropped = match &mask {
