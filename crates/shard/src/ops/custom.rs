@@ -439,3 +439,13 @@ pub(crate) fn linear_weight_backward<B: Backend>(
         B::linear_weight_backward(t.next().expect("input"), t.next().expect("input"))
     })
 }
+
+/// `exp`: on Flex in f32, kiln's vectorised kernel (see `fast.rs`).
+pub(crate) fn float_exp<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
+    super::policy::unary(tensor, move |t| super::fast::exp::<B>(t))
+}
+
+/// `sigmoid`: on Flex in f32, kiln's vectorised kernel (see `fast.rs`).
+pub(crate) fn sigmoid<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
+    super::policy::unary(tensor, move |t| super::fast::sigmoid::<B>(t))
+}

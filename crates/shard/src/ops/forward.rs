@@ -411,7 +411,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         unary(tensor, move |t| B::float_cast(t, dtype))
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        unary(tensor, move |t| B::float_exp(t))
+        custom::float_exp::<B>(tensor)
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         unary(tensor, move |t| B::float_log(t))
@@ -2123,7 +2123,7 @@ impl<B: Backend> ActivationOps<Self> for Shard<B> {
         binary(x, grad, move |a, b| B::gelu_backward(a, b))
     }
     fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        unary(tensor, move |t| B::sigmoid(t))
+        custom::sigmoid::<B>(tensor)
     }
     fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         binary(output, grad, move |a, b| B::sigmoid_backward(a, b))

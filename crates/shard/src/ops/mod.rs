@@ -6,6 +6,7 @@
 //! (creation, reading, whole-tensor reductions, ops that need only a shape).
 
 pub(crate) mod custom;
+mod fast;
 mod forward;
 pub(crate) mod policy;
 
