@@ -199,9 +199,11 @@ fn tiny() -> kiln_gpt2::Gpt2<AB> {
     gpt2(16, 8, 8)
 }
 
-/// A `p`-stage pipeline in delay mode with stages as processes (this program again, joined by
-/// TCP): Burn's autodiff graph registry is process-wide, and eight stage threads of one
-/// process trip over its cross-thread clean-up.
+/// A `p`-stage pipeline with stages as processes (this program again, joined by TCP), in delay
+/// mode, or with part 1's real compute when both delays are zero (one Rayon thread per
+/// process): Burn's autodiff graph registry is process-wide, and eight stage threads of one
+/// process trip over its cross-thread clean-up; two stage threads computing at once are slower
+/// than two processes.
 fn measure_processes(
     p: usize,
     m: usize,
@@ -223,6 +225,7 @@ fn measure_processes(
                 .env("LOCAL_WORLD_SIZE", p.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                .env("RAYON_NUM_THREADS", "1")
                 .env(
                     "KILN_BENCH_CHILD",
                     format!(
@@ -279,8 +282,22 @@ fn child(spec: &str) {
         Duration::from_micros(f[4].parse().unwrap()),
     );
     let world: Arc<dyn ProcessGroup> = Arc::new(kiln_comm::TcpGroup::from_env().unwrap());
-    let (steps, act, params, state) =
-        run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay), false);
+    // No delay: the real-compute model of part 1.
+    let (steps, act, params, state) = if delay == (Duration::ZERO, Duration::ZERO) {
+        run_rank(
+            world,
+            gpt2(8, 128, 128),
+            m,
+            schedule,
+            4,
+            128,
+            steps,
+            None,
+            false,
+        )
+    } else {
+        run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay), false)
+    };
     for (c, w, wall) in steps {
         println!("STEP {c} {w} {wall}");
     }
@@ -340,6 +357,14 @@ fn main() {
         if m == 8 && !measured && schedule != (ScheduleKind::Interleaved { chunks: 2 }) {
             peaks.push((schedule, r.activations));
         }
+    }
+    // The same at m = 8 with the two stages as processes: under 1F1B, stage threads of one
+    // process compute unequally (stage 0 20-30% more than stage 1, with one Rayon thread each
+    // too), which processes do not.
+    println!("-- the same at m = 8, stages as processes (one Rayon thread each)");
+    for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+        let r = measure_processes(2, 8, schedule, 5, (Duration::ZERO, Duration::ZERO));
+        report(&format!("p 2, m 8, {schedule}, processes"), &r);
     }
     // A large vocabulary: the tied head's matmul costs several blocks' compute, while the
     // embedding holds as many parameters and costs a gather. Balancing parameter counts puts
