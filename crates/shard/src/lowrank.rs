@@ -253,6 +253,18 @@ fn bernoulli(seed: u64, n: usize, keep: f64) -> Vec<f32> {
         .collect()
 }
 
+/// `t` times the dropout mask (as `t`'s dtype and shape: the input's, or its rows flattened),
+/// or `t` without one.
+fn dropped<B: Backend>(t: Prim<B>, mask: Option<Prim<B>>) -> Prim<B> {
+    match mask {
+        Some(m) => {
+            let m = B::float_reshape(widen::<B>(m, t.dtype()), t.shape());
+            B::float_mul(t, m)
+        }
+        None => t,
+    }
+}
+
 /// The adapters' factors `A` `[r, in]` and `B` `[out, r]`, whole, as `dtype`.
 fn factors<B: Backend>(w: &LowRank<B>, dtype: burn_backend::DType) -> (Prim<B>, Prim<B>) {
     (
@@ -279,10 +291,7 @@ pub(crate) fn linear<B: Backend>(
         let mask = w.mask_for(&x);
         let base = widen::<B>(local(w.w.clone()), dtype);
         let (a, b) = factors(&w, dtype);
-        let dropped = match &mask {
-            Some(m) => B::float_mul(x.clone(), widen::<B>(m.clone(), dtype)),
-            None => x.clone(),
-        };
+        let dropped = dropped::<B>(x.clone(), mask);
         let y = B::linear(x, base, bias);
         let low = B::linear(
             B::linear(dropped, B::float_swap_dims(a, 0, 1), None),
@@ -305,10 +314,7 @@ pub(crate) fn linear_x_backward<B: Backend>(
     let dx = B::linear_x_backward(base, dy.clone());
     // (dy B) A: `linear` with B [out, r] and A [r, in] as its `[in, out]` weights.
     let low = B::linear(B::linear(dy, b, None), a, None);
-    let low = match w.mask() {
-        Some(m) => B::float_mul(low, widen::<B>(m, dtype)),
-        None => low,
-    };
+    let low = dropped::<B>(low, w.mask());
     ShardTensor::Local(B::float_add(
         dx,
         B::float_mul_scalar(low, (w.scaling as f32).into()),
@@ -375,14 +381,7 @@ fn adapter_grads<B: Backend>(w: &LowRank<B>, grad: ShardTensor<B>) -> (Prim<B>, 
     match grad {
         ShardTensor::WeightGrad(g) => {
             let (x, dy) = g.flat(dtype);
-            let x = match w.mask() {
-                Some(m) => {
-                    let m = widen::<B>(m, dtype);
-                    let m = B::float_reshape(m, x.shape());
-                    B::float_mul(x, m)
-                }
-                None => x,
-            };
+            let x = dropped::<B>(x, w.mask());
             // dA = s (dy B)ᵀ drop(x)   [r, in];   dB = s dyᵀ (drop(x) Aᵀ)   [out, r].
             let dy_b = B::float_matmul(dy.clone(), b);
             let da = B::float_matmul(B::float_swap_dims(dy_b, 0, 1), x.clone());

@@ -58,53 +58,39 @@ fn map<B: Backend>(t: Prim<B>, f: fn(&mut [f32])) -> Prim<B> {
     B::float_from_data(data, &device)
 }
 
-fn exp_slice(xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has the features the function is compiled for.
-        unsafe { exp_avx2(xs) };
-        return;
-    }
-    exp_any(xs)
+/// `$slice(xs)` maps every value through `$f`: a copy of the loop compiled for AVX2 and FMA
+/// (`$avx2`) when the CPU has them, the portable one (`$any`) otherwise.
+macro_rules! elementwise {
+    ($slice:ident, $avx2:ident, $any:ident, $f:expr) => {
+        fn $slice(xs: &mut [f32]) {
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has the features the function is compiled for.
+                unsafe { $avx2(xs) };
+                return;
+            }
+            $any(xs)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn $avx2(xs: &mut [f32]) {
+            for x in xs {
+                *x = $f(*x);
+            }
+        }
+
+        fn $any(xs: &mut [f32]) {
+            for x in xs {
+                *x = $f(*x);
+            }
+        }
+    };
 }
 
-fn sigmoid_slice(xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: as above.
-        unsafe { sigmoid_avx2(xs) };
-        return;
-    }
-    sigmoid_any(xs)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_avx2(xs: &mut [f32]) {
-    for x in xs {
-        *x = exp_f32(*x);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn sigmoid_avx2(xs: &mut [f32]) {
-    for x in xs {
-        *x = 1.0 / (1.0 + exp_f32(-*x));
-    }
-}
-
-fn exp_any(xs: &mut [f32]) {
-    for x in xs {
-        *x = exp_f32(*x);
-    }
-}
-
-fn sigmoid_any(xs: &mut [f32]) {
-    for x in xs {
-        *x = 1.0 / (1.0 + exp_f32(-*x));
-    }
-}
+elementwise!(exp_slice, exp_avx2, exp_any, exp_f32);
+elementwise!(sigmoid_slice, sigmoid_avx2, sigmoid_any, |x: f32| 1.0
+    / (1.0 + exp_f32(-x)));
 
 /// `ln(f32::MAX)`: above, `exp` is infinite.
 const MAX_X: f32 = 88.722_84;
