@@ -287,6 +287,69 @@ impl BufMut<'_> {
     }
 }
 
+/// An owned communication buffer: a copy of a [`BufRef`] that outlives the call that made it
+/// (a send queued by an [`Outbox`](crate::Outbox)).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum OwnedBuf {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// f16 elements.
+    F16(Vec<f16>),
+    /// bf16 elements.
+    BF16(Vec<bf16>),
+    /// i64 elements.
+    I64(Vec<i64>),
+}
+
+impl OwnedBuf {
+    /// The elements as a send's input.
+    pub fn buf(&self) -> BufRef<'_> {
+        match self {
+            OwnedBuf::F32(v) => BufRef::F32(v),
+            OwnedBuf::F16(v) => BufRef::F16(v),
+            OwnedBuf::BF16(v) => BufRef::BF16(v),
+            OwnedBuf::I64(v) => BufRef::I64(v),
+        }
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.buf().dtype()
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.buf().len()
+    }
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies the elements into `out`; `false` (and `out` untouched) if the element type or
+    /// the length differs.
+    pub fn copy_to(&self, out: &mut BufMut<'_>) -> bool {
+        match (self, out) {
+            (OwnedBuf::F32(v), BufMut::F32(o)) if v.len() == o.len() => o.copy_from_slice(v),
+            (OwnedBuf::F16(v), BufMut::F16(o)) if v.len() == o.len() => o.copy_from_slice(v),
+            (OwnedBuf::BF16(v), BufMut::BF16(o)) if v.len() == o.len() => o.copy_from_slice(v),
+            (OwnedBuf::I64(v), BufMut::I64(o)) if v.len() == o.len() => o.copy_from_slice(v),
+            _ => return false,
+        }
+        true
+    }
+}
+
+impl BufRef<'_> {
+    /// A copy of the elements.
+    pub fn to_owned_buf(&self) -> OwnedBuf {
+        match *self {
+            BufRef::F32(s) => OwnedBuf::F32(s.to_vec()),
+            BufRef::F16(s) => OwnedBuf::F16(s.to_vec()),
+            BufRef::BF16(s) => OwnedBuf::BF16(s.to_vec()),
+            BufRef::I64(s) => OwnedBuf::I64(s.to_vec()),
+        }
+    }
+}
+
 /// Views received bytes as elements, copying only if the allocation is misaligned.
 pub(crate) fn bytes_as<T: Element>(bytes: &[u8]) -> std::borrow::Cow<'_, [T]> {
     match bytemuck::try_cast_slice(bytes) {

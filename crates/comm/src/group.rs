@@ -52,15 +52,16 @@ pub trait ProcessGroup: AsAny + Send + Sync + fmt::Debug {
     /// Copies `buf` from rank `root` to every rank.
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
     /// Sends `buf` to rank `dst`, which must call [`recv`](ProcessGroup::recv) with the same length.
-    /// Returns once the data is handed to the transport (it may not have arrived yet).
+    /// Returns once the data is handed to the transport (it may not have arrived yet), on every
+    /// kiln group (NCCL's sends wait for the receiver: `NcclGroup` queues them in an
+    /// [`Outbox`](crate::Outbox)), so a rank may send before it receives whatever its peer does.
     fn send(&self, buf: BufRef<'_>, dst: usize) -> Result<()>;
     /// Receives into `buf` what rank `src` sent; messages between two ranks arrive in order.
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()>;
     /// Sends `send` to `dst` and receives into `recv` what `src` sends, as one call that
     /// cannot deadlock whatever the peers' order: a ring (`dst = rank + 1`, `src = rank - 1`)
-    /// or a pairwise exchange. Use it rather than `send` then `recv` wherever peers send to
-    /// each other: NCCL's sends complete only once received. `dst == src == rank` copies.
-    /// The default suits transports whose `send` returns before the data is received.
+    /// or a pairwise exchange. `dst == src == rank` copies. The default suits transports whose
+    /// `send` returns before the data is received.
     fn send_recv(&self, send: BufRef<'_>, dst: usize, recv: BufMut<'_>, src: usize) -> Result<()> {
         self.send(send, dst)?;
         self.recv(recv, src)

@@ -42,6 +42,8 @@ mod mesh;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod outbox;
+mod rendezvous;
 pub mod selftest;
 mod shard;
 mod stats;
@@ -54,7 +56,7 @@ mod work;
 #[cfg(feature = "cuda")]
 pub use device::choose_cuda_device;
 pub use device::{DeviceSharing, cuda_ordinal};
-pub use dtype::{BufMut, BufRef, DType, Element, ReduceOp};
+pub use dtype::{BufMut, BufRef, DType, Element, OwnedBuf, ReduceOp};
 pub use env::{EnvSource, LaunchEnv};
 pub use error::{CommError, OpContext, OpKind, Result};
 pub use group::{AsAny, DEFAULT_TIMEOUT, GroupOptions, ProcessGroup};
@@ -65,6 +67,8 @@ pub use mesh::{DeviceMesh, MeshAxis, MeshGroups, MeshShape};
 pub use mpi::MpiGroup;
 #[cfg(feature = "nccl")]
 pub use nccl::NcclGroup;
+pub use outbox::{Link, OpenLink, Outbox};
+pub use rendezvous::{RendezvousGroup, Sends};
 pub use shard::{shard_len, shard_range};
 pub use stats::{CommStats, Counters, KindStats};
 pub use tcp::TcpGroup;

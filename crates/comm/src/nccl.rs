@@ -22,9 +22,13 @@
 //!   ([`RawComm::init`]); every later call is polled the same way, and device completion is
 //!   polled through an event, so a dead peer is a [`CommError::Timeout`] and an aborted
 //!   communicator, never a hang;
-//! - point-to-point calls block until the peer posts the matching call, so a ring of sends
-//!   posted before the receives deadlocks: [`NcclGroup::send_recv`] issues both inside one
-//!   `ncclGroupStart/End` ([`exchange_plan`]); a message to this rank is a local copy;
+//! - point-to-point calls block until the peer posts the matching call, but kiln's groups
+//!   promise sends that return before it (pipelines rely on it): a host `send` is queued in an
+//!   [`Outbox`] whose thread for that destination sends it on a two-rank communicator and
+//!   stream of its own ([`LinkOpener`]), and `recv` reads the link in the other direction, so
+//!   a send waiting for its receiver holds up nothing else. Device-pointer exchanges
+//!   ([`NcclGroup::send_recv_raw`]) post both calls inside one `ncclGroupStart/End`
+//!   ([`exchange_plan`]); a message to this rank is a local copy;
 //! - zero-length buffers would become `cuMemAlloc(0)` (an error): zero-length collectives are
 //!   checked like any other (arguments, descriptors) and enqueue nothing ([`launch_plan`]);
 //! - NCCL hangs on mismatched collectives; so before each collective the ranks all-gather a
@@ -34,16 +38,18 @@
 //! After any failure the communicator is aborted (`ncclCommAbort`) and the group is poisoned.
 
 use crate::device::{DeviceSharing, choose_cuda_device};
-use crate::dtype::{BufMut, BufRef, DType, Element, ReduceOp};
+use crate::dtype::{BufMut, BufRef, DType, Element, OwnedBuf, ReduceOp};
 use crate::env::LaunchEnv;
 use crate::error::{CommError, OpContext, OpKind, Result};
 use crate::group::{GroupOptions, ProcessGroup};
+use crate::outbox::{Link, Outbox};
 use crate::shard::shard_range;
 use crate::stats::{CommStats, Counters};
 use crate::store::{StoreClient, StoreServer};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use cudarc::nccl::sys as ns;
+use half::{bf16, f16};
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, c_int, c_void};
@@ -322,6 +328,14 @@ impl State {
 
 /// One rank's handle on a group of GPUs communicating through NCCL.
 pub struct NcclGroup {
+    /// Host point-to-point sends to other ranks, each destination's on its own communicator
+    /// (see [`NcclGroup::open_link`]); `None` in those two-rank link groups themselves. Dropped
+    /// first: its drop delivers what is queued, which may need the store below.
+    outbox: Option<Outbox>,
+    /// The links that bring host messages from other ranks, by source rank.
+    inbound: Mutex<HashMap<usize, Arc<NcclGroup>>>,
+    /// The rendezvous key this group's communicator was made under (links derive theirs).
+    key: String,
     state: Mutex<State>,
     stream: Arc<CudaStream>,
     rank: usize,
@@ -553,18 +567,72 @@ impl NcclGroup {
             env.world_size,
             options.timeout,
         )?;
-        Ok(NcclGroup {
+        Ok(NcclGroup::assemble(
+            comm,
+            stream,
+            env.rank,
+            members,
+            options.name,
+            options.timeout,
+            store,
+            server,
+            key,
+            true,
+        ))
+    }
+
+    /// A handle around a new communicator; `linked`: whether its host sends go through an
+    /// [`Outbox`] of per-destination links.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        comm: RawComm,
+        stream: Arc<CudaStream>,
+        rank: usize,
+        members: Vec<usize>,
+        name: String,
+        timeout: Duration,
+        store: Arc<StoreClient>,
+        server: Option<Arc<StoreServer>>,
+        key: String,
+        linked: bool,
+    ) -> NcclGroup {
+        let world_size = members.len();
+        let outbox = linked.then(|| {
+            let opener = LinkOpener {
+                key: key.clone(),
+                context: stream.context().clone(),
+                members: members.clone(),
+                name: name.clone(),
+                timeout,
+                store: store.clone(),
+                server: server.clone(),
+            };
+            Outbox::new(
+                &name,
+                rank,
+                world_size,
+                timeout,
+                Arc::new(move |dst| {
+                    let link = opener.open(rank, dst, rank)?;
+                    Ok(Box::new(SendLink(link)) as Box<dyn Link>)
+                }),
+            )
+        });
+        NcclGroup {
+            outbox,
+            inbound: Mutex::default(),
+            key,
             state: Mutex::new(State::new(comm)),
             stream,
-            rank: env.rank,
-            world_size: env.world_size,
+            rank,
+            world_size,
             members,
-            name: options.name,
-            timeout: options.timeout,
+            name,
+            timeout,
             counters: Counters::default(),
             store,
             _server: server,
-        })
+        }
     }
 
     fn init_comm(
@@ -1295,6 +1363,13 @@ impl NcclGroup {
             recv.copy_from_slice(send);
             return Ok(());
         }
+        if self.outbox.is_some() {
+            // Host messages travel on the links, so that a `send` on one rank may be matched by
+            // the receiving half of a `send_recv` on another; the send is queued, so this order
+            // cannot deadlock.
+            self.host_send(send, dst)?;
+            return self.host_recv(recv, src);
+        }
         let d_send = self.upload(send)?;
         let d_recv = self.scratch::<T>(recv.len())?;
         // SAFETY: `send.len()` and `recv.len()` elements on this GPU (or nothing, for zero).
@@ -1315,10 +1390,11 @@ impl NcclGroup {
         Ok(())
     }
 
-    /// A lone send: to another rank it completes when that rank receives (NCCL's
-    /// point-to-point calls are rendezvous), so a rank must not send to a peer that is itself
-    /// sending to it first; use [`ProcessGroup::send_recv`] for exchanges. To this rank it is
-    /// queued for the matching [`ProcessGroup::recv`].
+    /// A lone send. NCCL's point-to-point calls are rendezvous (a send completes when the peer
+    /// receives), but kiln's groups promise sends that return before: so a message to another
+    /// rank is queued in the [`Outbox`], whose thread for that destination sends it on a
+    /// communicator of its own. A message to this rank is queued for the matching
+    /// [`ProcessGroup::recv`].
     fn host_send<T: Element + DeviceRepr + Default>(&self, buf: &[T], dst: usize) -> Result<()> {
         if dst == self.rank && dst < self.world_size {
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -1334,7 +1410,53 @@ impl NcclGroup {
                 ),
             ));
         }
-        self.p2p_one(Some((buf, dst)), None::<(&mut [T], usize)>)
+        match &self.outbox {
+            Some(outbox) => {
+                self.usable()?;
+                self.counters.call(OpKind::SendRecv);
+                outbox.send(T::buf(buf), dst)?;
+                self.counters
+                    .sent(OpKind::SendRecv, std::mem::size_of_val(buf));
+                Ok(())
+            }
+            None => self.p2p_one(Some((buf, dst)), None::<(&mut [T], usize)>),
+        }
+    }
+
+    /// An error if the group was poisoned by an earlier failure.
+    fn usable(&self) -> Result<()> {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match &state.poisoned {
+            Some(first) => Err(CommError::Poisoned {
+                group: self.name.clone(),
+                first: first.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The link that brings messages from `src` (opened at the first message: it waits for
+    /// `src`'s sending thread to open its end).
+    fn inbound(&self, src: usize) -> Result<Arc<NcclGroup>> {
+        let mut links = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(link) = links.get(&src) {
+            return Ok(link.clone());
+        }
+        let link = Arc::new(self.link_opener().open(src, self.rank, self.rank)?);
+        links.insert(src, link.clone());
+        Ok(link)
+    }
+
+    fn link_opener(&self) -> LinkOpener {
+        LinkOpener {
+            key: self.key.clone(),
+            context: self.stream.context().clone(),
+            members: self.members.clone(),
+            name: self.name.clone(),
+            timeout: self.timeout,
+            store: self.store.clone(),
+            server: self._server.clone(),
+        }
     }
 
     fn host_recv<T: Element + DeviceRepr + Default>(
@@ -1384,7 +1506,18 @@ impl NcclGroup {
                 ),
             ));
         }
-        self.p2p_one(None::<(&[T], usize)>, Some((buf, src)))
+        let Some(outbox) = &self.outbox else {
+            return self.p2p_one(None::<(&[T], usize)>, Some((buf, src)));
+        };
+        self.usable()?;
+        // A failed queued send is reported here too: the peer may be waiting on it.
+        outbox.check()?;
+        self.counters.call(OpKind::SendRecv);
+        let link = self.inbound(src)?;
+        link.p2p_one(None::<(&[T], usize)>, Some((&mut *buf, 0)))?;
+        self.counters
+            .received(OpKind::SendRecv, std::mem::size_of_val(buf));
+        Ok(())
     }
 
     /// One direction of a point-to-point message, header then data, each in its own group.
@@ -1461,6 +1594,79 @@ impl NcclGroup {
                 .sent(OpKind::SendRecv, send_len * T::DTYPE.size());
         }
         Ok(())
+    }
+}
+
+/// What a group's links are made from: each is a two-rank communicator (sender rank 0,
+/// receiver rank 1) on a stream of its own, created under a key derived from the group's.
+///
+/// One communicator per direction and pair, as PyTorch's `ProcessGroupNCCL` makes one per
+/// pair: a link carries sends one way only, so a send waiting for its receiver never holds up
+/// a receive on the same rank (which a shared communicator or stream would queue behind it),
+/// and neither waits for the group's collectives.
+#[derive(Clone)]
+struct LinkOpener {
+    key: String,
+    context: Arc<CudaContext>,
+    members: Vec<usize>,
+    name: String,
+    timeout: Duration,
+    store: Arc<StoreClient>,
+    server: Option<Arc<StoreServer>>,
+}
+
+impl LinkOpener {
+    /// The link from group rank `from` to group rank `to`, opened by `me` (one of them).
+    fn open(&self, from: usize, to: usize, me: usize) -> Result<NcclGroup> {
+        let stream = self
+            .context
+            .new_stream()
+            .map_err(|e| nccl_err("creating a stream", e))?;
+        let key = format!("{}/link/{from}->{to}", self.key);
+        let rank = usize::from(me == to);
+        // A connection of its own: a store client waits for a key holding its connection, and
+        // the two ends of links in opposite directions may be opened at once on one rank (a
+        // receive on the caller's thread, a send on the outbox's).
+        let store = Arc::new(StoreClient::connect_with_token(
+            self.store.addr(),
+            self.timeout,
+            self.store.token(),
+        )?);
+        let comm = NcclGroup::init_comm(&store, &key, &stream, rank, 2, self.timeout)?;
+        Ok(NcclGroup::assemble(
+            comm,
+            stream,
+            rank,
+            vec![self.members[from], self.members[to]],
+            format!("{} {from}->{to}", self.name),
+            self.timeout,
+            store,
+            self.server.clone(),
+            key,
+            false,
+        ))
+    }
+}
+
+/// The sending end of a link, driven by the [`Outbox`]'s thread for its destination.
+struct SendLink(NcclGroup);
+
+impl Link for SendLink {
+    fn send(&mut self, msg: &OwnedBuf) -> Result<()> {
+        match msg {
+            OwnedBuf::F32(v) => self
+                .0
+                .p2p_one(Some((&v[..], 1)), None::<(&mut [f32], usize)>),
+            OwnedBuf::F16(v) => self
+                .0
+                .p2p_one(Some((&v[..], 1)), None::<(&mut [f16], usize)>),
+            OwnedBuf::BF16(v) => self
+                .0
+                .p2p_one(Some((&v[..], 1)), None::<(&mut [bf16], usize)>),
+            OwnedBuf::I64(v) => self
+                .0
+                .p2p_one(Some((&v[..], 1)), None::<(&mut [i64], usize)>),
+        }
     }
 }
 
@@ -1583,18 +1789,18 @@ impl ProcessGroup for NcclGroup {
             ranks.len(),
             self.timeout,
         )?;
-        Ok(Arc::new(NcclGroup {
-            state: Mutex::new(State::new(comm)),
-            stream: self.stream.clone(),
-            rank: me,
-            world_size: ranks.len(),
-            members: globals,
-            name: name.to_string(),
-            timeout: self.timeout,
-            counters: Counters::default(),
-            store: self.store.clone(),
-            _server: self._server.clone(),
-        }))
+        Ok(Arc::new(NcclGroup::assemble(
+            comm,
+            self.stream.clone(),
+            me,
+            globals,
+            name.to_string(),
+            self.timeout,
+            self.store.clone(),
+            self._server.clone(),
+            key,
+            true,
+        )))
     }
     fn stats(&self) -> CommStats {
         self.counters.snapshot()

@@ -30,8 +30,10 @@
 //! # Limits
 //! - Between units flows one `[batch, seq, d]` tensor; masks and positions are rebuilt per unit.
 //! - A model is pipelined only if it implements [`Staged`](kiln_hf::Staged).
-//! - Sends must not wait for the receiver (local and TCP groups); NCCL's sends do, and
-//!   pipelines over NCCL are not supported yet.
+//! - Sends must not wait for the receiver. kiln's groups all keep that promise, NCCL's
+//!   included (its sends are queued, `kiln_comm::Outbox`); the pipeline tests also run over
+//!   [`RendezvousGroup`](kiln_comm::RendezvousGroup), whose channels have NCCL's semantics.
+//!   Stage-to-stage tensors travel through host memory, on GPUs too.
 #![warn(missing_docs)]
 
 mod mailbox;

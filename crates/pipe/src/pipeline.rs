@@ -241,7 +241,9 @@ impl Pipeline {
         AB: AutodiffBackend<InnerBackend = Shard<B>>,
         M: AutodiffModule<AB>,
     {
-        if self.group.backend() != "local" || self.group.world_size() == 1 {
+        // Backends whose ranks are threads of this process.
+        let threads = matches!(self.group.backend(), "local" | "rendezvous");
+        if !threads || self.group.world_size() == 1 {
             return Ok(());
         }
         let mut sharded = None;

@@ -14,12 +14,16 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use kiln::shard::{ShardConfig, ShardedOptimizer, StepConfig, Strategy, gather_model, shard};
 use kiln::{Flex, Kiln, Train};
-use kiln_comm::{DeviceMesh, LocalGroup, MeshShape, ProcessGroup, spawn_ranks};
+use kiln_comm::{
+    DeviceMesh, GroupOptions, LocalGroup, MeshShape, ProcessGroup, RendezvousGroup, Sends,
+    spawn_ranks,
+};
 use kiln_hf::{Carry, Staged, Unit, causal_lm_loss};
 use kiln_pipe::{Pipeline, PipelineConfig, ScheduleKind, Split};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 const STEPS: usize = 20;
 const BATCH: usize = 8;
@@ -136,6 +140,89 @@ fn pipelined<M: Pipelineable>(
     spawn_ranks(case.0 * case.1, |world: LocalGroup| {
         run_rank(Arc::new(world), make(), initial, case, strategy)
     })
+}
+
+/// [`pipelined`] over groups whose sends wait for the receiver, as NCCL's do (`sends`: bare,
+/// or queued as kiln's NCCL group queues them): every rank's result, or the messages of the
+/// ranks that failed.
+fn over_rendezvous<M: Pipelineable>(
+    make: &(dyn Fn() -> M + Sync),
+    initial: &HashMap<String, Vec<f32>>,
+    case: (usize, usize, usize, ScheduleKind),
+    sends: Sends,
+    timeout: Duration,
+) -> Result<Vec<Trained>, Vec<String>> {
+    let options = GroupOptions {
+        timeout,
+        ..Default::default()
+    };
+    let groups = RendezvousGroup::new_world(case.0 * case.1, options, sends);
+    let outcomes: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|g| s.spawn(move || run_rank(Arc::new(g), make(), initial, case, Strategy::Ddp)))
+            .collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    let mut failures = Vec::new();
+    let mut trained = Vec::new();
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        match outcome {
+            Ok(t) => trained.push(t),
+            Err(panic) => failures.push(format!(
+                "rank {rank}: {}",
+                panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|m| m.to_string()))
+                    .unwrap_or_default()
+            )),
+        }
+    }
+    if failures.is_empty() {
+        Ok(trained)
+    } else {
+        Err(failures)
+    }
+}
+
+/// NCCL's sends complete only when the peer receives. Over such sends, bare, a 1F1B step
+/// deadlocks (stage 0 sends its second activation while stage 1 sends its first gradient,
+/// each waiting for the other's receive), and kiln says so; queued, as kiln's `NcclGroup`
+/// queues them, every schedule trains as one device does.
+#[test]
+fn pipelines_run_over_sends_that_wait_for_the_receiver() {
+    let initial = seeded(&gpt2);
+    for case in [(2, 2, 4, OneFOneB), (4, 1, 8, Interleaved { chunks: 2 })] {
+        let (pp, dp, m, schedule) = case;
+        let one = reference(gpt2(), &initial, dp * m);
+        let ranks = over_rendezvous(
+            &gpt2,
+            &initial,
+            case,
+            Sends::Queued,
+            Duration::from_secs(60),
+        )
+        .unwrap_or_else(|e| panic!("{}", e.join("\n")));
+        let what = format!("gpt2 pp {pp} x dp {dp} m {m} {schedule}, sends that wait (queued)");
+        compare(&what, &one, &ranks, pp);
+    }
+    let bare = over_rendezvous(
+        &gpt2,
+        &initial,
+        (2, 1, 4, OneFOneB),
+        Sends::Rendezvous,
+        Duration::from_secs(2),
+    );
+    let Err(failures) = bare else {
+        panic!("1F1B ran over bare rendezvous sends, which cannot be");
+    };
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.contains("pipeline stage") && f.contains("timed out")),
+        "{failures:?}"
+    );
 }
 
 /// One rank of a pipelined run over `world`.
