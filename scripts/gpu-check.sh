@@ -221,7 +221,27 @@ step "precision: kiln train --precision bf16, 50 steps, cuda vs cpu losses" bf16
 step "kiln train --ranks 2 --device cuda (ranks share GPUs round-robin)" \
   "$kiln" train --device cuda --ranks 2 --strategy zero3 --steps 5 --set train.sample_chars=0 \
   --set output.snapshot_every=0 --out "$tmp/threads" --overwrite
+# Pipelines over NCCL: each stage's sends are queued (an Outbox, a two-rank communicator per
+# direction), since NCCL's own sends wait for the receiver and a 1F1B step would deadlock.
+# The same pipeline over TCP on the CPU gives the reference losses.
+pipe_parity() {
+  local common=(--pp 2 --microbatches 4 --schedule 1f1b --steps 20 --set train.sample_chars=0
+    --set output.snapshot_every=0 --overwrite)
+  launch 2 "$kiln" train --device cpu "${common[@]}" --out "$tmp/pp-cpu" | tail -2 || return 1
+  launch 2 "$kiln" train --device cuda --set 'parallel.backend="nccl"' "${common[@]}" \
+    --out "$tmp/pp-nccl" | tail -2 || return 1
+  python3 - "$tmp" <<'PY'
+import json, sys
+def losses(d):
+    return [json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/{d}/metrics.jsonl") if '"loss"' in l]
+cpu, gpu = losses("pp-cpu"), losses("pp-nccl")
+worst = max(abs(a - b) / abs(a) for a, b in zip(cpu, gpu))
+print(f"pipeline: pp 2, 1f1b over NCCL vs TCP on the CPU, {len(cpu)} steps: largest relative loss difference {worst:.2e}")
+sys.exit(0 if worst < 1e-3 and len(cpu) == len(gpu) > 0 else 1)
+PY
+}
 if [ "$ngpu" -gt 1 ]; then
+  step "kiln train --pp 2 --schedule 1f1b over NCCL on 2 GPUs, against TCP on the CPU" pipe_parity
   for strategy in ddp zero3; do
     step "kiln train $strategy over NCCL on $ngpu GPUs (20 steps)" \
       launch "$ngpu" "$kiln" train --device cuda --strategy "$strategy" --steps 20 \

@@ -424,6 +424,33 @@ mod tests {
         assert_eq!(out, [(1, 6.0), (0, 6.0), (3, 6.0), (2, 6.0)]);
     }
 
+    /// kiln's conformance check (every collective and dtype, rings of sends) over sends that
+    /// wait for the receiver: it passes through the outbox, and bare it fails at its first ring.
+    #[test]
+    fn the_conformance_check_needs_queued_sends() {
+        let run = |sends| {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = world(3, sends)
+                    .into_iter()
+                    .map(|g| s.spawn(move || crate::selftest::run(&g)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        for r in run(Sends::Queued) {
+            assert!(r.as_ref().unwrap().checks > 0, "{r:?}");
+        }
+        let bare = run(Sends::Rendezvous);
+        assert!(
+            bare.iter()
+                .any(|r| r.as_ref().is_err_and(|e| e.contains("timed out"))),
+            "{bare:?}"
+        );
+    }
+
     #[test]
     fn a_wrong_length_is_named() {
         let results = std::thread::scope(|s| {
