@@ -179,20 +179,25 @@ step "precision: shard-check zero3 bf16 over NCCL, 1 rank" \
 
 # --- training: the GPU against the CPU --------------------------------------------------------
 tmp=$(mktemp -d)
+# compare_losses A B TOL WHAT: the runs in $tmp/A and $tmp/B logged the same number of losses,
+# each within TOL (relative) of the other's; prints the largest difference.
+compare_losses() {
+  python3 - "$tmp/$1" "$tmp/$2" "$3" "$4" <<'PY'
+import json, sys
+def losses(d):
+    return [json.loads(l)["loss"] for l in open(f"{d}/metrics.jsonl") if '"loss"' in l]
+a, b, tol, what = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+worst = max((abs(x - y) / abs(x) for x, y in zip(a, b)), default=float("inf"))
+print(f"{what}: largest relative loss difference over {len(a)} steps: {worst:.2e}")
+sys.exit(0 if worst < tol and len(a) == len(b) > 0 else 1)
+PY
+}
 train_parity() {
   for dev in cpu cuda; do
     "$kiln" train --device "$dev" --steps 50 --set train.sample_chars=0 --out "$tmp/$dev" \
       --overwrite | tail -4 || return 1
   done
-  python3 - "$tmp" <<'PY'
-import json, sys
-def losses(d):
-    return [json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/{d}/metrics.jsonl") if '"loss"' in l]
-cpu, gpu = losses("cpu"), losses("cuda")
-worst = max(abs(a - b) / abs(a) for a, b in zip(cpu, gpu))
-print(f"train: largest relative loss difference cuda vs cpu over {len(cpu)} steps: {worst:.2e}")
-sys.exit(0 if worst < 1e-3 and len(cpu) == len(gpu) > 0 else 1)
-PY
+  compare_losses cpu cuda 1e-3 "train: cuda vs cpu"
 }
 step "kiln train: 50 steps of the default recipe, cuda vs cpu losses" train_parity
 # bf16 on both: the GPU's bf16 matmuls against Flex's, within bf16's rounding.
@@ -230,15 +235,7 @@ pipe_parity() {
   launch 2 "$kiln" train --device cpu "${common[@]}" --out "$tmp/pp-cpu" | tail -2 || return 1
   launch 2 "$kiln" train --device cuda --set 'parallel.backend="nccl"' "${common[@]}" \
     --out "$tmp/pp-nccl" | tail -2 || return 1
-  python3 - "$tmp" <<'PY'
-import json, sys
-def losses(d):
-    return [json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/{d}/metrics.jsonl") if '"loss"' in l]
-cpu, gpu = losses("pp-cpu"), losses("pp-nccl")
-worst = max(abs(a - b) / abs(a) for a, b in zip(cpu, gpu))
-print(f"pipeline: pp 2, 1f1b over NCCL vs TCP on the CPU, {len(cpu)} steps: largest relative loss difference {worst:.2e}")
-sys.exit(0 if worst < 1e-3 and len(cpu) == len(gpu) > 0 else 1)
-PY
+  compare_losses pp-cpu pp-nccl 1e-3 "pipeline: pp 2, 1f1b over NCCL vs TCP on the CPU"
 }
 if [ "$ngpu" -gt 1 ]; then
   step "kiln train --pp 2 --schedule 1f1b over NCCL on 2 GPUs, against TCP on the CPU" pipe_parity
