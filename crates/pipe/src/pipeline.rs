@@ -420,17 +420,24 @@ impl Pipeline {
                     let grads = with_kind(MemKind::Backward, || {
                         no_sync::<B, AB, M, _>(model, || root.backward())
                     });
-                    let dx = x.map(|x| x.grad(&grads).expect("a chunk's input reaches its output"));
-                    acc.accumulate(model, GradientsParams::from_grads(grads, &own));
-                    remark::<B, AB, M>(model);
-                    stats.compute += t.elapsed();
-                    if let Some(dx) = dx {
+                    // The input's gradient goes back before this stage files its parameters'
+                    // gradients: under 1F1B the previous stage is (or soon will be) waiting for
+                    // it, and every such hand-over is on the schedule's critical path.
+                    // Sending is not compute (a forward's send is outside its compute time too).
+                    let mut sending = Duration::ZERO;
+                    if let Some(x) = x {
+                        let dx = x.grad(&grads).expect("a chunk's input reaches its output");
                         let back = Tag::Gradient {
                             mb,
                             chunk: chunk - 1,
                         };
+                        let sent = Instant::now();
                         self.send(&mut mail, back, Tensor::<AB, 3>::from_inner(dx))?;
+                        sending = sent.elapsed();
                     }
+                    acc.accumulate(model, GradientsParams::from_grads(grads, &own));
+                    remark::<B, AB, M>(model);
+                    stats.compute += t.elapsed().saturating_sub(sending);
                 }
             }
         }
