@@ -1,6 +1,7 @@
 //! 64-bit FNV-1a: the one hash kiln uses where every rank (or every run) must derive the same
 //! number from the same input without communicating: group ids, seeded initialisation, model
-//! fingerprints.
+//! fingerprints. And [`SplitMix64`], the one seeded stream kiln draws from where every rank, or
+//! a resumed run, must draw the same: batches, adapters' initial values, dropout masks.
 //!
 //! Not for hash tables facing untrusted keys (it is not DoS-resistant) and not a checksum for
 //! files (snapshots use CRC32). Numbers are hashed as their little-endian bytes, so a value is
@@ -100,6 +101,55 @@ impl std::hash::Hasher for Fnv1a {
     fn finish(&self) -> u64 {
         Fnv1a::finish(self)
     }
+}
+
+/// SplitMix64's increment (the golden ratio's 64-bit fraction).
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// SplitMix64 (Steele, Lea, Flood 2014): tiny, seedable, its whole state one `u64` (which a
+/// snapshot stores to resume the stream).
+///
+/// ```
+/// use kiln_comm::hash::{SplitMix64, mix};
+/// let mut a = SplitMix64(42);
+/// let mut b = SplitMix64(42);
+/// assert_eq!(a.next_u64(), b.next_u64());
+/// assert!(a.below(10) < 10 && (0.0..1.0).contains(&a.next_f64()));
+/// // One step from state z is the mixer of z advanced once.
+/// assert_eq!(SplitMix64(7).next_u64(), mix(7u64.wrapping_add(0x9e37_79b9_7f4a_7c15)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(GOLDEN);
+        mix(self.0)
+    }
+
+    /// Uniform in [0, 1), from the top 53 bits.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in [0, 1), from the top 24 bits.
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        // Lemire's multiply-shift: no modulo bias worth the name for n << 2^64.
+        ((self.next_u64() as u128 * n as u128) >> 64) as usize
+    }
+}
+
+/// SplitMix64's output function, a bijective mixer: a good 64-bit hash of one number.
+pub const fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]

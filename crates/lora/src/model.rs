@@ -218,20 +218,6 @@ pub fn find_targets<B: Backend, M: Module<B>>(
     Ok(targets)
 }
 
-/// SplitMix64: a seeded stream for the adapters' initial draws, identical on every rank.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_f32(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 40) as f32 / (1u64 << 24) as f32
-    }
-}
-
 /// Puts adapters on the weights of `base` that `config` selects, and freezes the base.
 ///
 /// `A` is drawn as PEFT draws it (Kaiming-uniform with `a = sqrt(5)`: uniform in
@@ -254,7 +240,8 @@ pub fn lora<B: Backend, M: Module<B>>(
         .iter()
         .map(|t| {
             let seed = config.seed ^ kiln_comm::hash::fnv1a(t.path.as_bytes());
-            let mut rng = SplitMix64(seed);
+            // The same stream on every rank.
+            let mut rng = kiln_comm::hash::SplitMix64(seed);
             let bound = 1.0 / (t.fan_in as f32).sqrt();
             let a: Vec<f32> = (0..config.r * t.fan_in)
                 .map(|_| (2.0 * rng.next_f32() - 1.0) * bound)

@@ -400,18 +400,9 @@ mod tests {
     fn round_trip_error_is_bounded_by_half_a_level_gap() {
         // A normal-ish matrix whose size is not a multiple of the blocks.
         let (rows, cols) = (37, 29);
-        let mut s = 12345u64;
+        let mut rng = kiln_comm::hash::SplitMix64(12345);
         let values: Vec<f32> = (0..rows * cols)
-            .map(|_| {
-                let mut u = 0.0;
-                for _ in 0..4 {
-                    s = s
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    u += (s >> 40) as f32 / (1u64 << 24) as f32;
-                }
-                (u - 2.0) * 0.05
-            })
+            .map(|_| ((0..4).map(|_| rng.next_f32()).sum::<f32>() - 2.0) * 0.05)
             .collect();
         let q = Nf4Matrix::quantize(&values, rows, cols);
         assert_eq!(q.codes.len(), 17 * 32);

@@ -32,6 +32,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, Distribution, TensorMetadata};
 use burn_std::Shape;
+use kiln_comm::hash::SplitMix64;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
@@ -229,26 +230,23 @@ fn next_mask_seed() -> Option<u64> {
     MASKS.with(|m| {
         let (seed, i) = m.get()?;
         m.set(Some((seed, i + 1)));
-        Some(splitmix(seed ^ splitmix(i.wrapping_add(0x6c6f_7261))))
+        // The i-th mask of this (seed, step, rank): a seed of its own.
+        let draw = |z: u64| SplitMix64(z).next_u64();
+        Some(draw(seed ^ draw(i.wrapping_add(0x6c6f_7261))))
     })
-}
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// `n` draws of 1 (probability `keep`) or 0 from `seed`.
 fn bernoulli(seed: u64, n: usize, keep: f64) -> Vec<f32> {
     let threshold = (keep * (1u64 << 53) as f64) as u64;
-    let mut state = seed;
+    let mut rng = SplitMix64(seed);
     (0..n)
         .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let z = splitmix(state) >> 11;
-            if z < threshold { 1.0 } else { 0.0 }
+            if rng.next_u64() >> 11 < threshold {
+                1.0
+            } else {
+                0.0
+            }
         })
         .collect()
 }

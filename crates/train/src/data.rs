@@ -16,35 +16,7 @@ use crate::error::{IoContext, Result, TrainError, fail};
 use kiln_hf::Tokenizer;
 use std::path::Path;
 
-/// SplitMix64 (Steele, Lea, Flood 2014): tiny, seedable, its whole state one `u64`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SplitMix64(pub u64);
-
-impl SplitMix64 {
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: usize) -> usize {
-        // Lemire's multiply-shift: no modulo bias worth the name for n << 2^64.
-        ((self.next_u64() as u128 * n as u128) >> 64) as usize
-    }
-}
-
-/// SplitMix64's output function: a good 64-bit hash of `z`.
-pub fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+pub use kiln_comm::hash::{SplitMix64, mix};
 
 /// The synthetic corpus' alphabet.
 const ALPHABET: &[u8; 28] = b"abcdefghijklmnopqrstuvwxyz .";
