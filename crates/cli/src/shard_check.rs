@@ -158,12 +158,13 @@ pub fn shard_check(args: &ShardCheckArgs) -> Result<bool> {
         let errors = on_device(group, args, strategy, opts, slot)?;
         return Ok(report(rank, world, &errors));
     }
-    let results = kiln_comm::spawn_ranks(args.ranks, |g: LocalGroup| {
+    let results = kiln::shard::threads::spawn_ranks(args.ranks, |g: LocalGroup| {
         let (rank, world) = (g.rank(), g.world_size());
         // Threads exchange through host memory: on fewer GPUs than ranks they share.
         let slot = (rank, world, DeviceSharing::RoundRobin);
         on_device(Arc::new(g), args, strategy, opts, slot).map(|e| (rank, world, e))
-    });
+    })
+    .map_err(anyhow::Error::msg)?;
     let mut all_ok = true;
     for r in results {
         let (rank, world, e) = r?;

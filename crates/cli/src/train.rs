@@ -317,7 +317,12 @@ fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
             local_world_size: env.local_world_size,
             sharing: DeviceSharing::for_backend(group.backend()),
         };
-        rank_on_device(recipe, group, true, options, &args.device, slot)?;
+        // This process's compute on a pool the rank runs in (its kernels then start inside
+        // the pool, not from outside it), of the threads `kiln launch` gave it.
+        let threads = kiln::shard::threads::per_rank(1).map_err(anyhow::Error::msg)?;
+        kiln::shard::threads::with_own_pool(threads, || {
+            rank_on_device(recipe, group, true, options, &args.device, slot)
+        })?;
         return Ok(());
     }
     let ranks = recipe.parallel.ranks;
@@ -325,7 +330,7 @@ fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
         bail!("parallel.ranks must be at least 1");
     }
     recipe.check_world(ranks, false)?;
-    let results = kiln_comm::spawn_ranks(ranks, |g: kiln_comm::LocalGroup| {
+    let results = kiln::shard::threads::spawn_ranks(ranks, |g: kiln_comm::LocalGroup| {
         // Threads exchange through host memory: on fewer GPUs than ranks they share.
         let slot = Slot {
             local_rank: g.rank(),
@@ -333,7 +338,8 @@ fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
             sharing: DeviceSharing::RoundRobin,
         };
         rank_on_device(recipe, Arc::new(g), false, options, &args.device, slot)
-    });
+    })
+    .map_err(anyhow::Error::msg)?;
     kiln_train::rank_zero_or_root_cause(results)?;
     Ok(())
 }

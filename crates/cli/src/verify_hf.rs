@@ -42,7 +42,7 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
         if args.ranks == 0 {
             bail!("--ranks must be at least 1");
         }
-        let reports = kiln_comm::spawn_ranks(args.ranks, |g: LocalGroup| {
+        let reports = kiln::shard::threads::spawn_ranks(args.ranks, |g: LocalGroup| {
             let group: Arc<dyn ProcessGroup> = Arc::new(g);
             let parallel = Sharding::<Flex>::new(group, strategy)?;
             kiln_zoo::verify_dir_with::<Backend, _>(
@@ -51,7 +51,8 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
                 &Default::default(),
                 &parallel,
             )
-        });
+        })
+        .map_err(anyhow::Error::msg)?;
         // Every rank computed every quantity; report the worst rank's value of each.
         merge(reports.into_iter().collect::<Result<Vec<_>, _>>()?)
     };

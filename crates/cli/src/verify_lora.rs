@@ -49,7 +49,7 @@ where
             &Default::default(),
         )?);
     };
-    let per_rank = kiln_comm::spawn_ranks(ranks, |g: LocalGroup| -> Result<Vec<Check>> {
+    let per_rank = kiln_shard::threads::spawn_ranks(ranks, |g: LocalGroup| -> Result<Vec<Check>> {
         let group: Arc<dyn ProcessGroup> = Arc::new(g);
         let model = kiln_shard::shard(load()?, group, ShardConfig::new(strategy))?;
         Ok(kiln_lora::verify_lora::<Flex, B, M>(
@@ -57,7 +57,8 @@ where
             dir,
             &Default::default(),
         )?)
-    });
+    })
+    .map_err(anyhow::Error::msg)?;
     // Every rank computed every quantity: keep each quantity's worst rank.
     let mut worst: Vec<Check> = Vec::new();
     for checks in per_rank {

@@ -15,7 +15,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use kiln::shard::account::{MemKind, RankAlloc, attribute_to_rank};
 use kiln::shard::{ShardedOptimizer, StepConfig};
 use kiln::{Flex, Train};
-use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
+use kiln_comm::{LocalGroup, ProcessGroup};
 use kiln_hf::causal_lm_loss;
 use kiln_pipe::{Pipeline, PipelineConfig, ScheduleKind, Split};
 use std::sync::Arc;
@@ -178,7 +178,7 @@ fn measure(
     steps: usize,
     measured: bool,
 ) -> Measured {
-    let per_rank = spawn_ranks(p, |world: LocalGroup| {
+    let per_rank = kiln::shard::threads::spawn_ranks(p, |world: LocalGroup| {
         run_rank(
             Arc::new(world),
             make(),
@@ -190,7 +190,8 @@ fn measure(
             None,
             measured,
         )
-    });
+    })
+    .unwrap();
     summarize(&per_rank, m, schedule)
 }
 

@@ -41,6 +41,7 @@ mod step;
 mod strategy;
 mod sync;
 mod tensor;
+pub mod threads;
 
 pub use backend::Shard;
 pub use optim::{ShardedOptimizer, clip_grad_norm, grad_norm, scale_grads};

@@ -44,7 +44,7 @@ pub use run::{
     RankMemory, RunOptions, Summary, Train, lr_at, train_rank, train_rank_with, validation_batches,
 };
 
-use kiln_comm::{LocalGroup, spawn_ranks};
+use kiln_comm::LocalGroup;
 use std::sync::Arc;
 
 /// Runs the recipe on `ranks` threads of this process (a [`LocalGroup`]) on `B`'s default
@@ -62,9 +62,10 @@ pub fn train_threads<B: burn::tensor::backend::Backend>(
     }
     // Check before any thread starts, so that a bad world size is one clear error.
     recipe.check_world(ranks, false)?;
-    let results = spawn_ranks(ranks, |g: LocalGroup| {
+    let results = kiln_shard::threads::spawn_ranks(ranks, |g: LocalGroup| {
         train_rank::<B>(recipe, Arc::new(g), false, options, &Default::default())
-    });
+    })
+    .map_err(TrainError::World)?;
     rank_zero_or_root_cause(results)
 }
 

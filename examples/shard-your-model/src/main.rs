@@ -34,7 +34,7 @@ use burn::optim::{AdamWConfig, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::Parser;
-use kiln::comm::{LaunchEnv, LocalGroup, ProcessGroup, ReduceOp, TcpGroup, spawn_ranks};
+use kiln::comm::{LaunchEnv, LocalGroup, ProcessGroup, ReduceOp, TcpGroup};
 use kiln::shard::account::{comm_stats, param_bytes, record_bytes};
 use kiln::shard::check::{self, Errors, params};
 use kiln::shard::{ShardConfig, ShardedOptimizer, StepConfig, Strategy, gather_model, shard};
@@ -303,7 +303,10 @@ fn run(args: Args) -> Res<()> {
             return Err("--ranks must be at least 1".into());
         }
         eprintln!("{} over {} threads:", args.strategy, args.ranks);
-        let runs = spawn_ranks(args.ranks, |g: LocalGroup| train(&args, Some(Arc::new(g))));
+        // Each rank thread computes on a Rayon pool of its own (its share of the cores).
+        let runs = kiln::shard::threads::spawn_ranks(args.ranks, |g: LocalGroup| {
+            train(&args, Some(Arc::new(g)))
+        })?;
         // Every rank's result: the first error wins, else rank 0's run.
         let mut runs = runs.into_iter().collect::<Res<Vec<Run>>>()?;
         (args.ranks, runs.swap_remove(0))

@@ -29,7 +29,7 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use clap::Parser;
-use kiln_comm::{LocalGroup, OpKind, ProcessGroup, spawn_ranks};
+use kiln_comm::{LocalGroup, OpKind, ProcessGroup};
 use kiln_shard::account::{CountingAlloc, grad_bytes, param_bytes, record_bytes};
 use kiln_shard::{Shard, ShardConfig, ShardedOptimizer, Strategy, shard};
 use std::sync::{Arc, Mutex};
@@ -186,10 +186,11 @@ fn memory_and_traffic(args: &Args) {
         Strategy::Zero3,
     ] {
         for &n in &args.ranks {
-            let per_rank = spawn_ranks(n, |g: LocalGroup| {
+            let per_rank = kiln::shard::threads::spawn_ranks(n, |g: LocalGroup| {
                 let m = model.lock().expect("model").clone();
                 measure(m, Arc::new(g), strategy, args)
-            });
+            })
+            .unwrap_or_else(|e| panic!("zero_bench: {e}"));
             let nf = n as f64;
             let predicted_state = match strategy {
                 Strategy::Ddp => 16.0 * psi_f,
