@@ -113,23 +113,6 @@ fn init_logging() {
         .init();
 }
 
-/// glibc's malloc serves blocks above a (dynamic) threshold, 128 KiB at first, with fresh
-/// `mmap`s and gives them back on free: every activation, gradient and matmul output of a
-/// training step then costs page faults and zeroing on the next step. Keeping freed memory in
-/// the heap instead (as PyTorch's caching allocators do) made the default recipe 15-20% faster
-/// on one rank here; the cost is that the process keeps its peak heap until it exits.
-/// `KILN_MALLOC=default` keeps glibc's behaviour.
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var("KILN_MALLOC").as_deref() != Ok("default") {
-        // SAFETY: mallopt only sets allocator parameters; called before any thread starts.
-        unsafe {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
-        }
-    }
-}
-
 /// Counts each rank's heap bytes by kind (parameters and optimizer state, activations,
 /// backward, gathered parameters, communication buffers), for the memory table of `kiln
 /// train`'s summary and `metrics.jsonl`; it forwards to the system allocator.
@@ -143,7 +126,7 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    keep_freed_memory();
+    kiln::shard::threads::keep_freed_memory();
     let cli = Cli::parse();
     init_logging();
     let code = match &cli.command {

@@ -324,6 +324,9 @@ fn report(what: &str, r: &Measured) {
 }
 
 fn main() {
+    // The heap as the `kiln` binary keeps it (GPipe's activations otherwise cost page faults
+    // every step).
+    kiln::shard::threads::keep_freed_memory();
     if let Ok(spec) = std::env::var("KILN_BENCH_CHILD") {
         return child(&spec);
     }

@@ -304,6 +304,7 @@ fn overhead(args: &Args) {
 }
 
 fn main() {
+    kiln::shard::threads::keep_freed_memory();
     let args = Args::parse();
     memory_and_traffic(&args);
     overhead(&args);
