@@ -329,7 +329,7 @@ impl State {
 /// One rank's handle on a group of GPUs communicating through NCCL.
 pub struct NcclGroup {
     /// Host point-to-point sends to other ranks, each destination's on its own communicator
-    /// (see [`NcclGroup::open_link`]); `None` in those two-rank link groups themselves. Dropped
+    /// (see [`LinkOpener`]); `None` in those two-rank link groups themselves. Dropped
     /// first: its drop delivers what is queued, which may need the store below.
     outbox: Option<Outbox>,
     /// The links that bring host messages from other ranks, by source rank.
@@ -1414,13 +1414,23 @@ impl NcclGroup {
             Some(outbox) => {
                 self.usable()?;
                 self.counters.call(OpKind::SendRecv);
-                outbox.send(T::buf(buf), dst)?;
+                outbox
+                    .send(T::buf(buf), dst)
+                    .inspect_err(|e| self.poison(e))?;
                 self.counters
                     .sent(OpKind::SendRecv, std::mem::size_of_val(buf));
                 Ok(())
             }
             None => self.p2p_one(Some((buf, dst)), None::<(&mut [T], usize)>),
         }
+    }
+
+    /// Makes the group unusable after a failure outside [`NcclGroup::run`] (a link's), as
+    /// `run` does after its own: the communicator is aborted.
+    fn poison(&self, err: &CommError) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        drop(state.comm.take());
+        state.poisoned.get_or_insert_with(|| err.to_string());
     }
 
     /// An error if the group was poisoned by an earlier failure.
@@ -1510,11 +1520,13 @@ impl NcclGroup {
             return self.p2p_one(None::<(&[T], usize)>, Some((buf, src)));
         };
         self.usable()?;
-        // A failed queued send is reported here too: the peer may be waiting on it.
-        outbox.check()?;
         self.counters.call(OpKind::SendRecv);
-        let link = self.inbound(src)?;
-        link.p2p_one(None::<(&[T], usize)>, Some((&mut *buf, 0)))?;
+        // A failed queued send is reported here too: the peer may be waiting on it.
+        outbox
+            .check()
+            .and_then(|()| self.inbound(src))
+            .and_then(|link| link.p2p_one(None::<(&[T], usize)>, Some((&mut *buf, 0))))
+            .inspect_err(|e| self.poison(e))?;
         self.counters
             .received(OpKind::SendRecv, std::mem::size_of_val(buf));
         Ok(())

@@ -36,7 +36,10 @@ pub trait Link: Send {
 /// message: opening may itself wait for the peer).
 pub type OpenLink = dyn Fn(usize) -> Result<Box<dyn Link>> + Send + Sync;
 
-/// Queued sends over links that wait for the receiver; see the [module](self) documentation.
+/// Queued sends over links whose own sends wait for the receiver (NCCL's): one thread per
+/// destination opens the link at its first message and sends in the order of `send`, which
+/// copies the message and returns. A failed send is reported by the next call; dropping the
+/// outbox delivers what is queued, within the timeout.
 pub struct Outbox {
     group: String,
     rank: usize,

@@ -69,7 +69,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// One rank's handle; see the [module](self) documentation.
+/// One rank's handle on threads of this process whose point-to-point sends wait for the
+/// receiver, as NCCL's do ([`Sends::Rendezvous`]), or are queued in an [`Outbox`] as
+/// `NcclGroup`'s are ([`Sends::Queued`]); collectives go through a [`LocalGroup`].
 pub struct RendezvousGroup {
     collectives: Arc<dyn ProcessGroup>,
     rank: usize,
