@@ -54,11 +54,8 @@ fn threads_per_rank(
         }
         return Ok(n);
     }
-    if let Some(v) = env.filter(|v| !v.trim().is_empty()) {
-        return match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => bail!("RAYON_NUM_THREADS={v:?} is not a positive number of threads"),
-        };
+    if let Some(n) = kiln::shard::threads::rayon_threads(env).map_err(anyhow::Error::msg)? {
+        return Ok(n);
     }
     Ok((cores / ranks.max(1)).max(1))
 }

@@ -61,7 +61,7 @@ pub use env::{EnvSource, LaunchEnv};
 pub use error::{CommError, OpContext, OpKind, Result};
 pub use group::{AsAny, DEFAULT_TIMEOUT, GroupOptions, ProcessGroup};
 pub use join::{BACKENDS, join};
-pub use local::{LocalGroup, spawn_ranks, spawn_ranks_with};
+pub use local::{LocalGroup, run_ranks, spawn_ranks, spawn_ranks_with};
 pub use mesh::{DeviceMesh, MeshAxis, MeshGroups, MeshShape};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;
@@ -104,3 +104,10 @@ buf_from!(half::bf16);
 buf_from!(i64);
 
 pub use half::{bf16, f16};
+
+/// Locks `m`, taking its data even if a thread panicked while holding it: what kiln's groups
+/// keep under their locks stays consistent across a panic (a panicking rank poisons its group
+/// through its errors, not through the lock).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -131,7 +131,21 @@ where
     R: Send,
     F: Fn(LocalGroup) -> R + Sync,
 {
-    let groups = LocalGroup::new_world(world_size, options);
+    run_ranks(LocalGroup::new_world(world_size, options), f)
+}
+
+/// Runs `f` on one thread per group handle (rank `i` gets `groups[i]`: any group type, e.g. a
+/// [`RendezvousGroup`](crate::RendezvousGroup) world) and returns the results in rank order.
+///
+/// # Panics
+/// As [`spawn_ranks`].
+pub fn run_ranks<G, R, F>(groups: Vec<G>, f: F) -> Vec<R>
+where
+    G: Send,
+    R: Send,
+    F: Fn(G) -> R + Sync,
+{
+    let world_size = groups.len();
     let f = &f;
     let outcomes: Vec<std::thread::Result<R>> = std::thread::scope(|scope| {
         let handles: Vec<_> = groups

@@ -33,6 +33,7 @@ use crate::env::LaunchEnv;
 use crate::error::{CommError, OpContext, OpKind, Result};
 use crate::group::{GroupOptions, ProcessGroup};
 use crate::hash::Fnv1a;
+use crate::lock;
 use crate::shard::shard_range;
 use crate::stats::{CommStats, Counters};
 use half::{bf16, f16};
@@ -40,7 +41,7 @@ use mpi::ffi;
 use std::collections::HashMap;
 use std::os::raw::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// The tag of the split handshake (on the collective communicator, where nothing else uses
@@ -69,10 +70,6 @@ unsafe impl Send for Runtime {}
 unsafe impl Sync for Runtime {}
 
 static RUNTIME: Mutex<Weak<Runtime>> = Mutex::new(Weak::new());
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// `inout[i] = in[i] op inout[i]` for a 16-bit float type; MPI calls it with buffers of its
 /// own, which need not be aligned.

@@ -42,6 +42,7 @@ use crate::dtype::{BufMut, BufRef, DType, Element, OwnedBuf, ReduceOp};
 use crate::env::LaunchEnv;
 use crate::error::{CommError, OpContext, OpKind, Result};
 use crate::group::{GroupOptions, ProcessGroup};
+use crate::lock;
 use crate::outbox::{Link, Outbox};
 use crate::shard::shard_range;
 use crate::stats::{CommStats, Counters};
@@ -334,8 +335,8 @@ pub struct NcclGroup {
     outbox: Option<Outbox>,
     /// The links that bring host messages from other ranks, by source rank.
     inbound: Mutex<HashMap<usize, Arc<NcclGroup>>>,
-    /// The rendezvous key this group's communicator was made under (links derive theirs).
-    key: String,
+    /// What this group's links are opened from (its key, GPU, store).
+    links: LinkOpener,
     state: Mutex<State>,
     stream: Arc<CudaStream>,
     rank: usize,
@@ -597,16 +598,17 @@ impl NcclGroup {
         linked: bool,
     ) -> NcclGroup {
         let world_size = members.len();
+        let links = LinkOpener {
+            key,
+            context: stream.context().clone(),
+            members: members.clone(),
+            name: name.clone(),
+            timeout,
+            store: store.clone(),
+            server: server.clone(),
+        };
         let outbox = linked.then(|| {
-            let opener = LinkOpener {
-                key: key.clone(),
-                context: stream.context().clone(),
-                members: members.clone(),
-                name: name.clone(),
-                timeout,
-                store: store.clone(),
-                server: server.clone(),
-            };
+            let opener = links.clone();
             Outbox::new(
                 &name,
                 rank,
@@ -621,7 +623,7 @@ impl NcclGroup {
         NcclGroup {
             outbox,
             inbound: Mutex::default(),
-            key,
+            links,
             state: Mutex::new(State::new(comm)),
             stream,
             rank,
@@ -719,7 +721,7 @@ impl NcclGroup {
         extra: i64,
         f: impl FnOnce(&Live<'_>, Launch) -> Result<R>,
     ) -> Result<R> {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = lock(&self.state);
         if let Some(first) = &state.poisoned {
             return Err(CommError::Poisoned {
                 group: self.name.clone(),
@@ -1397,7 +1399,7 @@ impl NcclGroup {
     /// [`ProcessGroup::recv`].
     fn host_send<T: Element + DeviceRepr + Default>(&self, buf: &[T], dst: usize) -> Result<()> {
         if dst == self.rank && dst < self.world_size {
-            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut state = lock(&self.state);
             state.to_self.push_back(SelfMessage(Box::new(buf.to_vec())));
             return Ok(());
         }
@@ -1428,14 +1430,14 @@ impl NcclGroup {
     /// Makes the group unusable after a failure outside [`NcclGroup::run`] (a link's), as
     /// `run` does after its own: the communicator is aborted.
     fn poison(&self, err: &CommError) {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = lock(&self.state);
         drop(state.comm.take());
         state.poisoned.get_or_insert_with(|| err.to_string());
     }
 
     /// An error if the group was poisoned by an earlier failure.
     fn usable(&self) -> Result<()> {
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let state = lock(&self.state);
         match &state.poisoned {
             Some(first) => Err(CommError::Poisoned {
                 group: self.name.clone(),
@@ -1448,25 +1450,13 @@ impl NcclGroup {
     /// The link that brings messages from `src` (opened at the first message: it waits for
     /// `src`'s sending thread to open its end).
     fn inbound(&self, src: usize) -> Result<Arc<NcclGroup>> {
-        let mut links = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+        let mut links = lock(&self.inbound);
         if let Some(link) = links.get(&src) {
             return Ok(link.clone());
         }
-        let link = Arc::new(self.link_opener().open(src, self.rank, self.rank)?);
+        let link = Arc::new(self.links.open(src, self.rank, self.rank)?);
         links.insert(src, link.clone());
         Ok(link)
-    }
-
-    fn link_opener(&self) -> LinkOpener {
-        LinkOpener {
-            key: self.key.clone(),
-            context: self.stream.context().clone(),
-            members: self.members.clone(),
-            name: self.name.clone(),
-            timeout: self.timeout,
-            store: self.store.clone(),
-            server: self._server.clone(),
-        }
     }
 
     fn host_recv<T: Element + DeviceRepr + Default>(
@@ -1476,7 +1466,7 @@ impl NcclGroup {
     ) -> Result<()> {
         if src == self.rank && src < self.world_size {
             let message = {
-                let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let mut state = lock(&self.state);
                 state.to_self.pop_front()
             };
             let Some(SelfMessage(message)) = message else {
@@ -1778,7 +1768,7 @@ impl ProcessGroup for NcclGroup {
         };
         let globals: Vec<usize> = ranks.iter().map(|&r| self.members[r]).collect();
         let count = {
-            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut state = lock(&self.state);
             let c = state.splits.entry(globals.clone()).or_insert(0);
             *c += 1;
             *c

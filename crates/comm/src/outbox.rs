@@ -20,9 +20,10 @@
 
 use crate::dtype::{BufRef, OwnedBuf};
 use crate::error::{CommError, OpContext, OpKind, Result};
+use crate::lock;
 use std::collections::HashMap;
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -41,9 +42,8 @@ pub type OpenLink = dyn Fn(usize) -> Result<Box<dyn Link>> + Send + Sync;
 /// copies the message and returns. A failed send is reported by the next call; dropping the
 /// outbox delivers what is queued, within the timeout.
 pub struct Outbox {
-    group: String,
-    rank: usize,
-    world_size: usize,
+    /// The group's point-to-point context, for errors.
+    ctx: OpContext,
     timeout: Duration,
     open: Arc<OpenLink>,
     lanes: Mutex<HashMap<usize, Lane>>,
@@ -53,8 +53,8 @@ pub struct Outbox {
 impl std::fmt::Debug for Outbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Outbox")
-            .field("group", &self.group)
-            .field("rank", &self.rank)
+            .field("group", &self.ctx.group)
+            .field("rank", &self.ctx.rank)
             .field("queued", &lock(&self.shared.progress).queued)
             .finish_non_exhaustive()
     }
@@ -80,10 +80,6 @@ struct Progress {
     failure: Option<(Option<CommError>, String)>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Outbox {
     /// An outbox for rank `rank` of the `world_size`-rank group `group`; `open(dst)` opens the
     /// link to `dst`. `timeout` bounds [`Outbox::flush`] and the wait when it is dropped (each
@@ -96,23 +92,17 @@ impl Outbox {
         open: Arc<OpenLink>,
     ) -> Outbox {
         Outbox {
-            group: group.to_string(),
-            rank,
-            world_size,
+            ctx: OpContext {
+                kind: OpKind::SendRecv,
+                seq: 0,
+                group: group.to_string(),
+                rank,
+                world_size,
+            },
             timeout,
             open,
             lanes: Mutex::new(HashMap::new()),
             shared: Arc::default(),
-        }
-    }
-
-    fn ctx(&self) -> OpContext {
-        OpContext {
-            kind: OpKind::SendRecv,
-            seq: 0,
-            group: self.group.clone(),
-            rank: self.rank,
-            world_size: self.world_size,
         }
     }
 
@@ -136,7 +126,7 @@ impl Outbox {
             // while `self` is borrowed, but never a silent loss.
             self.shared.finished_one();
             return Err(CommError::PeerLost {
-                op: self.ctx(),
+                op: self.ctx.clone(),
                 peer: dst,
                 reason: "the thread sending to this rank has ended".into(),
             });
@@ -148,7 +138,7 @@ impl Outbox {
         let (queue, messages) = mpsc::channel::<OwnedBuf>();
         let (open, shared) = (self.open.clone(), self.shared.clone());
         let thread = std::thread::Builder::new()
-            .name(format!("kiln-send-{}-{dst}", self.rank))
+            .name(format!("kiln-send-{}-{dst}", self.ctx.rank))
             .spawn(move || {
                 let mut link: Option<Box<dyn Link>> = None;
                 for msg in messages {
@@ -181,7 +171,7 @@ impl Outbox {
         match &mut progress.failure {
             None => Ok(()),
             Some((error, text)) => Err(error.take().unwrap_or_else(|| CommError::Poisoned {
-                group: self.group.clone(),
+                group: self.ctx.group.clone(),
                 first: text.clone(),
             })),
         }
@@ -203,7 +193,7 @@ impl Outbox {
             let now = Instant::now();
             if now >= deadline {
                 return Err(CommError::Timeout {
-                    op: self.ctx(),
+                    op: self.ctx.clone(),
                     peer: usize::MAX,
                     timeout: self.timeout,
                 });

@@ -11,11 +11,12 @@ use crate::dtype::{BufMut, BufRef, OwnedBuf, ReduceOp};
 use crate::error::{CommError, OpContext, OpKind, Result};
 use crate::group::{GroupOptions, ProcessGroup};
 use crate::local::LocalGroup;
+use crate::lock;
 use crate::outbox::{Link, Outbox};
 use crate::stats::CommStats;
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How a [`RendezvousGroup`]'s sends behave.
@@ -65,21 +66,16 @@ impl Channels {
 #[derive(Default)]
 struct Registry(Mutex<HashMap<String, Arc<Channels>>>);
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// One rank's handle on threads of this process whose point-to-point sends wait for the
 /// receiver, as NCCL's do ([`Sends::Rendezvous`]), or are queued in an [`Outbox`] as
 /// `NcclGroup`'s are ([`Sends::Queued`]); collectives go through a [`LocalGroup`].
 pub struct RendezvousGroup {
+    /// The collectives, and this rank's place (rank, world size, name, timeout).
     collectives: Arc<dyn ProcessGroup>,
-    rank: usize,
-    world_size: usize,
     key: String,
     registry: Arc<Registry>,
     channels: Arc<Channels>,
-    sends: Sends,
+    /// `Some` for [`Sends::Queued`].
     outbox: Option<Outbox>,
     splits: Mutex<HashMap<Vec<usize>, u64>>,
     poisoned: Mutex<Option<String>>,
@@ -88,9 +84,9 @@ pub struct RendezvousGroup {
 impl std::fmt::Debug for RendezvousGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RendezvousGroup")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
-            .field("sends", &self.sends)
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("sends", &self.sends())
             .finish_non_exhaustive()
     }
 }
@@ -107,8 +103,7 @@ impl RendezvousGroup {
         lock(&registry.0).insert(key.clone(), channels.clone());
         LocalGroup::new_world(world_size, options)
             .into_iter()
-            .enumerate()
-            .map(|(rank, local)| {
+            .map(|local| {
                 Self::member(
                     Arc::new(local),
                     key.clone(),
@@ -116,7 +111,6 @@ impl RendezvousGroup {
                     channels.clone(),
                     sends,
                 )
-                .unwrap_or_else(|_| unreachable!("rank {rank} of a new world"))
             })
             .collect()
     }
@@ -127,7 +121,7 @@ impl RendezvousGroup {
         registry: Arc<Registry>,
         channels: Arc<Channels>,
         sends: Sends,
-    ) -> Result<Self> {
+    ) -> Self {
         let (rank, world_size) = (collectives.rank(), collectives.world_size());
         let outbox = (sends == Sends::Queued).then(|| {
             let (channels, timeout) = (channels.clone(), collectives.timeout());
@@ -147,18 +141,22 @@ impl RendezvousGroup {
                 }),
             )
         });
-        Ok(RendezvousGroup {
+        RendezvousGroup {
             collectives,
-            rank,
-            world_size,
             key,
             registry,
             channels,
-            sends,
             outbox,
             splits: Mutex::default(),
             poisoned: Mutex::default(),
-        })
+        }
+    }
+
+    fn sends(&self) -> Sends {
+        match self.outbox {
+            Some(_) => Sends::Queued,
+            None => Sends::Rendezvous,
+        }
     }
 
     fn ctx(&self) -> OpContext {
@@ -179,12 +177,15 @@ impl RendezvousGroup {
     }
 
     fn peer(&self, peer: usize) -> Result<()> {
-        if peer < self.world_size {
+        if peer < self.world_size() {
             return Ok(());
         }
         Err(CommError::InvalidArgument {
             op: self.ctx(),
-            message: format!("rank {peer} is not in this {}-rank group", self.world_size),
+            message: format!(
+                "rank {peer} is not in this {}-rank group",
+                self.world_size()
+            ),
         })
     }
 }
@@ -250,10 +251,10 @@ impl Link for ChannelLink {
 
 impl ProcessGroup for RendezvousGroup {
     fn rank(&self) -> usize {
-        self.rank
+        self.collectives.rank()
     }
     fn world_size(&self) -> usize {
-        self.world_size
+        self.collectives.world_size()
     }
     fn name(&self) -> &str {
         self.collectives.name()
@@ -280,9 +281,9 @@ impl ProcessGroup for RendezvousGroup {
         self.p2p(|| {
             self.peer(dst)?;
             match &self.outbox {
-                Some(outbox) if dst != self.rank => outbox.send(buf, dst),
+                Some(outbox) if dst != self.rank() => outbox.send(buf, dst),
                 _ => send_now(
-                    &self.channels.to[self.rank][dst],
+                    &self.channels.to[self.rank()][dst],
                     buf.to_owned_buf(),
                     &self.ctx(),
                     dst,
@@ -297,7 +298,7 @@ impl ProcessGroup for RendezvousGroup {
             if let Some(outbox) = &self.outbox {
                 outbox.check()?;
             }
-            let from = lock(&self.channels.from[self.rank][src]);
+            let from = lock(&self.channels.from[self.rank()][src]);
             let msg = from.recv_timeout(self.timeout()).map_err(|e| match e {
                 RecvTimeoutError::Timeout => CommError::Timeout {
                     op: self.ctx(),
@@ -342,8 +343,8 @@ impl ProcessGroup for RendezvousGroup {
             key,
             self.registry.clone(),
             channels,
-            self.sends,
-        )?))
+            self.sends(),
+        )))
     }
     fn stats(&self) -> CommStats {
         self.collectives.stats()
@@ -353,6 +354,7 @@ impl ProcessGroup for RendezvousGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run_ranks;
 
     fn world(n: usize, sends: Sends) -> Vec<RendezvousGroup> {
         let options = GroupOptions {
@@ -364,20 +366,12 @@ mod tests {
 
     /// Both ranks send to each other first, then receive.
     fn exchange(groups: Vec<RendezvousGroup>) -> Vec<Result<f32>> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = groups
-                .into_iter()
-                .map(|g| {
-                    s.spawn(move || {
-                        let peer = 1 - g.rank();
-                        g.send((&[g.rank() as f32][..]).into(), peer)?;
-                        let mut got = [0f32];
-                        g.recv((&mut got[..]).into(), peer)?;
-                        Ok(got[0])
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        run_ranks(groups, |g| {
+            let peer = 1 - g.rank();
+            g.send((&[g.rank() as f32][..]).into(), peer)?;
+            let mut got = [0f32];
+            g.recv((&mut got[..]).into(), peer)?;
+            Ok(got[0])
         })
     }
 
@@ -400,28 +394,17 @@ mod tests {
 
     #[test]
     fn sub_groups_have_their_own_channels_and_collectives_work() {
-        let out = std::thread::scope(|s| {
-            let handles: Vec<_> = world(4, Sends::Queued)
-                .into_iter()
-                .map(|g| {
-                    s.spawn(move || {
-                        let r = g.rank();
-                        let pair: Vec<usize> = if r < 2 { vec![0, 1] } else { vec![2, 3] };
-                        let sub = g.split(&pair, "pair").unwrap();
-                        let peer = 1 - sub.rank();
-                        sub.send((&[r as i64][..]).into(), peer).unwrap();
-                        let mut got = [0i64];
-                        sub.recv((&mut got[..]).into(), peer).unwrap();
-                        let mut sum = [got[0] as f32];
-                        g.all_reduce((&mut sum[..]).into(), ReduceOp::Sum).unwrap();
-                        (got[0], sum[0])
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
+        let out = run_ranks(world(4, Sends::Queued), |g| {
+            let r = g.rank();
+            let pair: Vec<usize> = if r < 2 { vec![0, 1] } else { vec![2, 3] };
+            let sub = g.split(&pair, "pair").unwrap();
+            let peer = 1 - sub.rank();
+            sub.send((&[r as i64][..]).into(), peer).unwrap();
+            let mut got = [0i64];
+            sub.recv((&mut got[..]).into(), peer).unwrap();
+            let mut sum = [got[0] as f32];
+            g.all_reduce((&mut sum[..]).into(), ReduceOp::Sum).unwrap();
+            (got[0], sum[0])
         });
         assert_eq!(out, [(1, 6.0), (0, 6.0), (3, 6.0), (2, 6.0)]);
     }
@@ -430,18 +413,7 @@ mod tests {
     /// wait for the receiver: it passes through the outbox, and bare it fails at its first ring.
     #[test]
     fn the_conformance_check_needs_queued_sends() {
-        let run = |sends| {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = world(3, sends)
-                    .into_iter()
-                    .map(|g| s.spawn(move || crate::selftest::run(&g)))
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap())
-                    .collect::<Vec<_>>()
-            })
-        };
+        let run = |sends| run_ranks(world(3, sends), |g| crate::selftest::run(&g));
         for r in run(Sends::Queued) {
             assert!(r.as_ref().unwrap().checks > 0, "{r:?}");
         }
@@ -455,27 +427,16 @@ mod tests {
 
     #[test]
     fn a_wrong_length_is_named() {
-        let results = std::thread::scope(|s| {
-            let handles: Vec<_> = world(2, Sends::Queued)
-                .into_iter()
-                .map(|g| {
-                    s.spawn(move || {
-                        if g.rank() == 0 {
-                            g.send((&[1.0f32, 2.0][..]).into(), 1)
-                                .and_then(|_| g.barrier())
-                        } else {
-                            let mut one = [0f32];
-                            let r = g.recv((&mut one[..]).into(), 0);
-                            g.barrier().unwrap();
-                            r
-                        }
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
+        let results = run_ranks(world(2, Sends::Queued), |g| {
+            if g.rank() == 0 {
+                g.send((&[1.0f32, 2.0][..]).into(), 1)
+                    .and_then(|_| g.barrier())
+            } else {
+                let mut one = [0f32];
+                let r = g.recv((&mut one[..]).into(), 0);
+                g.barrier().unwrap();
+                r
+            }
         });
         let e = results[1].as_ref().unwrap_err().to_string();
         assert!(

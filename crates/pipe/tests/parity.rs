@@ -16,7 +16,7 @@ use kiln::shard::{ShardConfig, ShardedOptimizer, StepConfig, Strategy, gather_mo
 use kiln::{Flex, Kiln, Train};
 use kiln_comm::{
     DeviceMesh, GroupOptions, LocalGroup, MeshShape, ProcessGroup, RendezvousGroup, Sends,
-    spawn_ranks,
+    run_ranks, spawn_ranks,
 };
 use kiln_hf::{Carry, Staged, Unit, causal_lm_loss};
 use kiln_pipe::{Pipeline, PipelineConfig, ScheduleKind, Split};
@@ -143,47 +143,25 @@ fn pipelined<M: Pipelineable>(
 }
 
 /// [`pipelined`] over groups whose sends wait for the receiver, as NCCL's do (`sends`: bare,
-/// or queued as kiln's NCCL group queues them): every rank's result, or the messages of the
-/// ranks that failed.
+/// or queued as kiln's NCCL group queues them).
+///
+/// # Panics
+/// As `run_ranks`: naming each rank that failed and why.
 fn over_rendezvous<M: Pipelineable>(
     make: &(dyn Fn() -> M + Sync),
     initial: &HashMap<String, Vec<f32>>,
     case: (usize, usize, usize, ScheduleKind),
     sends: Sends,
     timeout: Duration,
-) -> Result<Vec<Trained>, Vec<String>> {
+) -> Vec<Trained> {
     let options = GroupOptions {
         timeout,
         ..Default::default()
     };
     let groups = RendezvousGroup::new_world(case.0 * case.1, options, sends);
-    let outcomes: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|g| s.spawn(move || run_rank(Arc::new(g), make(), initial, case, Strategy::Ddp)))
-            .collect();
-        handles.into_iter().map(|h| h.join()).collect()
-    });
-    let mut failures = Vec::new();
-    let mut trained = Vec::new();
-    for (rank, outcome) in outcomes.into_iter().enumerate() {
-        match outcome {
-            Ok(t) => trained.push(t),
-            Err(panic) => failures.push(format!(
-                "rank {rank}: {}",
-                panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|m| m.to_string()))
-                    .unwrap_or_default()
-            )),
-        }
-    }
-    if failures.is_empty() {
-        Ok(trained)
-    } else {
-        Err(failures)
-    }
+    run_ranks(groups, |g| {
+        run_rank(Arc::new(g), make(), initial, case, Strategy::Ddp)
+    })
 }
 
 /// NCCL's sends complete only when the peer receives. Over such sends, bare, a 1F1B step
@@ -202,26 +180,26 @@ fn pipelines_run_over_sends_that_wait_for_the_receiver() {
             case,
             Sends::Queued,
             Duration::from_secs(60),
-        )
-        .unwrap_or_else(|e| panic!("{}", e.join("\n")));
+        );
         let what = format!("gpt2 pp {pp} x dp {dp} m {m} {schedule}, sends that wait (queued)");
         compare(&what, &one, &ranks, pp);
     }
-    let bare = over_rendezvous(
-        &gpt2,
-        &initial,
-        (2, 1, 4, OneFOneB),
-        Sends::Rendezvous,
-        Duration::from_secs(2),
-    );
-    let Err(failures) = bare else {
+    let bare = std::panic::catch_unwind(|| {
+        over_rendezvous(
+            &gpt2,
+            &initial,
+            (2, 1, 4, OneFOneB),
+            Sends::Rendezvous,
+            Duration::from_secs(2),
+        )
+    });
+    let Err(panic) = bare else {
         panic!("1F1B ran over bare rendezvous sends, which cannot be");
     };
+    let failures = panic.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(
-        failures
-            .iter()
-            .any(|f| f.contains("pipeline stage") && f.contains("timed out")),
-        "{failures:?}"
+        failures.contains("pipeline stage") && failures.contains("timed out"),
+        "{failures}"
     );
 }
 

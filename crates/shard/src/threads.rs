@@ -18,18 +18,28 @@ use std::num::NonZeroUsize;
 /// # Errors
 /// `RAYON_NUM_THREADS` set to something other than a positive number.
 pub fn per_rank(ranks: usize) -> Result<usize, String> {
-    let total = match std::env::var("RAYON_NUM_THREADS") {
-        Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
-            Ok(n) if n > 0 => n,
-            _ => {
-                return Err(format!(
-                    "RAYON_NUM_THREADS={v:?} is not a positive number of threads"
-                ));
-            }
-        },
-        _ => std::thread::available_parallelism().map_or(1, NonZeroUsize::get),
+    let env = std::env::var("RAYON_NUM_THREADS").ok();
+    let total = match rayon_threads(env.as_deref())? {
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(1, NonZeroUsize::get),
     };
     Ok((total / ranks.max(1)).max(1))
+}
+
+/// The threads a `RAYON_NUM_THREADS` value asks for: `None` when unset or blank.
+///
+/// # Errors
+/// Anything other than a positive number.
+pub fn rayon_threads(value: Option<&str>) -> Result<Option<usize>, String> {
+    let Some(v) = value.filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    match v.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(Some(n)),
+        _ => Err(format!(
+            "RAYON_NUM_THREADS={v:?} is not a positive number of threads"
+        )),
+    }
 }
 
 /// Runs `f` with its Rayon work on a pool of `threads` threads of its own: `f` itself runs on
@@ -103,13 +113,24 @@ mod tests {
     }
 
     #[test]
-    fn the_cores_are_shared_among_the_ranks() {
-        // RAYON_NUM_THREADS may be set by whoever runs the tests; only the default is
-        // checked when it is not.
-        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
-            assert_eq!(per_rank(1).unwrap(), cores);
-            assert_eq!(per_rank(cores * 4).unwrap(), 1);
+    fn the_process_threads_are_shared_among_the_ranks() {
+        // Whatever RAYON_NUM_THREADS the test run has, the process's threads are the total.
+        let total = rayon_threads(std::env::var("RAYON_NUM_THREADS").ok().as_deref())
+            .unwrap()
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
+        assert_eq!(per_rank(1).unwrap(), total);
+        assert_eq!(per_rank(2).unwrap(), (total / 2).max(1));
+        assert_eq!(per_rank(total * 4).unwrap(), 1);
+    }
+
+    #[test]
+    fn rayon_num_threads_is_a_positive_number_or_unset() {
+        assert_eq!(rayon_threads(None), Ok(None));
+        assert_eq!(rayon_threads(Some("  ")), Ok(None));
+        assert_eq!(rayon_threads(Some(" 3 ")), Ok(Some(3)));
+        for bad in ["0", "many", "-2"] {
+            let e = rayon_threads(Some(bad)).unwrap_err();
+            assert!(e.contains("RAYON_NUM_THREADS"), "{e}");
         }
     }
 }
