@@ -36,7 +36,7 @@ pub struct TrainArgs {
     #[arg(long)]
     schedule: Option<String>,
     /// parallel.split: the units where the pipeline's chunks after the first start
-    /// (e.g. h.2,h.5), or `measured` (chunks balanced by each unit's forward time, measured at
+    /// (e.g. h.2,h.5), or `measured` (chunks balanced by each unit's forward and backward time, measured at
     /// start); default: chunks balanced by parameter count.
     #[arg(long)]
     pp_split: Option<String>,

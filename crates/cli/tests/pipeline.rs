@@ -180,7 +180,7 @@ fn a_split_by_measured_time_trains_as_one_rank() {
             "measured",
         ],
     ));
-    assert!(out.contains("% of the measured forward time"), "{out}");
+    assert!(out.contains("% of the measured compute time"), "{out}");
     let err = loss_error(&losses(&path("pp")), &losses(&path("one")));
     assert!(err <= 1e-5, "{:?}", losses(&path("pp")));
 }

@@ -2,6 +2,13 @@
 //! and the idle share of the whole schedule beside the textbook (p-1)/(v·m + p-1); and the
 //! activation bytes a stage holds at its peak under GPipe and 1F1B.
 //!
+//! The textbook figure assumes stages of equal cost. Each row also replays the schedule with
+//! every pass taking the time it took in that step, communication free
+//! (`Schedule::simulate_with`): "replayed" is the bubble these stages leave under this schedule
+//! in theory, so that measured against textbook splits into the stages' imbalance (replayed
+//! against textbook: the cut) and the pipeline's own overhead (measured against replayed:
+//! hand-overs, waking, copies).
+//!
 //! Part 1 runs GPT-2 with real compute on 2 stages (this machine's 2 cores). Part 2 measures
 //! the schedule itself at 4 and 8 stages, more than the cores: each stage's pass is a fixed
 //! delay (`Pipeline::with_delay`) around a model whose own compute is negligible, so the
@@ -17,7 +24,8 @@ use kiln::shard::{ShardedOptimizer, StepConfig};
 use kiln::{Flex, Train};
 use kiln_comm::{LocalGroup, ProcessGroup};
 use kiln_hf::causal_lm_loss;
-use kiln_pipe::{Pipeline, PipelineConfig, ScheduleKind, Split};
+use kiln_pipe::{Action, Pipeline, PipelineConfig, Schedule, ScheduleKind, Split};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,15 +70,26 @@ struct Measured {
     stages: Vec<(f64, f64, f64)>,
     bubble: f64,
     ideal: f64,
+    /// The bubble the schedule leaves, communication free, when each pass takes as long as it
+    /// took here (the stages' imbalance included; the textbook's `ideal` assumes equal stages).
+    replayed: f64,
     /// Per stage: peak activation bytes in a step.
     activations: Vec<usize>,
     /// Per stage: bytes of parameters and of AdamW state.
     held: Vec<(usize, usize)>,
 }
 
-/// Per timed step: (compute, waiting, wall) seconds; the peak activation bytes; the bytes of
-/// the stage's parameters and of its AdamW state at the end.
-type RankRun = (Vec<(f64, f64, f64)>, usize, usize, usize);
+/// One timed step of one stage: compute, waiting and wall seconds, and each pass's seconds.
+struct StepTimes {
+    compute: f64,
+    waiting: f64,
+    wall: f64,
+    passes: Vec<(Action, f64)>,
+}
+
+/// Per timed step, its times; the peak activation bytes; the bytes of the stage's parameters
+/// and of its AdamW state at the end.
+type RankRun = (Vec<StepTimes>, usize, usize, usize);
 
 /// `steps` steps (the first not timed) of this rank's stage.
 #[allow(clippy::too_many_arguments)]
@@ -88,8 +107,14 @@ fn run_rank(
     attribute_to_rank(world.rank());
     let split = if measured {
         Split::Costs(
-            kiln_pipe::measure_costs(&model, tokens(rows, seq, 0, 0, 0), world.as_ref(), 3)
-                .unwrap(),
+            kiln_pipe::measure_costs(
+                &model,
+                tokens(rows, seq, 0, 0, 0),
+                |logits| causal_lm_loss(logits, tokens(rows, seq, 0, 0, 1)),
+                world.as_ref(),
+                3,
+            )
+            .unwrap(),
         )
     } else {
         Split::Balanced
@@ -125,11 +150,16 @@ fn run_rank(
         );
         model = next;
         if step > 0 {
-            out.push((
-                s.compute.as_secs_f64(),
-                s.waiting.as_secs_f64(),
-                s.wall.as_secs_f64(),
-            ));
+            out.push(StepTimes {
+                compute: s.compute.as_secs_f64(),
+                waiting: s.waiting.as_secs_f64(),
+                wall: s.wall.as_secs_f64(),
+                passes: s
+                    .passes
+                    .iter()
+                    .map(|(a, d)| (*a, d.as_secs_f64()))
+                    .collect(),
+            });
         }
         if let Some(mem) = stats.memory {
             activations = activations.max(mem.peak_of(MemKind::Activations));
@@ -144,23 +174,29 @@ fn run_rank(
 fn summarize(per_rank: &[RankRun], m: usize, schedule: ScheduleKind) -> Measured {
     let p = per_rank.len();
     let timed = per_rank[0].0.len();
+    let plan = Schedule::new(schedule, p, m).unwrap();
     let mut stages = vec![(0.0, 0.0, 0.0); p];
-    let mut bubble = 0.0;
+    let (mut bubble, mut replayed) = (0.0, 0.0);
     for step in 0..timed {
-        let makespan = per_rank.iter().map(|r| r.0[step].2).fold(0.0, f64::max);
-        let busy: f64 = per_rank.iter().map(|r| r.0[step].0).sum();
+        let makespan = per_rank.iter().map(|r| r.0[step].wall).fold(0.0, f64::max);
+        let busy: f64 = per_rank.iter().map(|r| r.0[step].compute).sum();
         bubble += 1.0 - busy / (p as f64 * makespan);
+        let took: HashMap<Action, f64> = per_rank
+            .iter()
+            .flat_map(|r| r.0[step].passes.iter().copied())
+            .collect();
+        replayed += plan.simulate_with(|a| took[a]).unwrap().bubble();
         for (rank, (s, ..)) in per_rank.iter().enumerate() {
-            stages[rank].0 += s[step].0 / timed as f64;
-            stages[rank].1 += s[step].1 / timed as f64;
-            stages[rank].2 += s[step].2 / timed as f64;
+            stages[rank].0 += s[step].compute / timed as f64;
+            stages[rank].1 += s[step].waiting / timed as f64;
+            stages[rank].2 += s[step].wall / timed as f64;
         }
     }
-    let v = schedule.chunks() as f64;
     Measured {
         stages,
         bubble: bubble / timed as f64,
-        ideal: (p as f64 - 1.0) / (v * m as f64 + p as f64 - 1.0),
+        ideal: plan.ideal_bubble(),
+        replayed: replayed / timed as f64,
         activations: per_rank.iter().map(|r| r.1).collect(),
         held: per_rank.iter().map(|r| (r.2, r.3)).collect(),
     }
@@ -246,16 +282,26 @@ fn measure_processes(
             let out = c.wait_with_output().unwrap();
             assert!(out.status.success(), "a stage process failed");
             let text = String::from_utf8(out.stdout).unwrap();
-            let mut steps = Vec::new();
+            let mut steps: Vec<StepTimes> = Vec::new();
             let (mut act, mut params, mut state) = (0, 0, 0);
             for line in text.lines() {
                 let f: Vec<&str> = line.split_whitespace().collect();
                 match f.first() {
-                    Some(&"STEP") => steps.push((
-                        f[1].parse().unwrap(),
-                        f[2].parse().unwrap(),
-                        f[3].parse().unwrap(),
-                    )),
+                    Some(&"STEP") => steps.push(StepTimes {
+                        compute: f[1].parse().unwrap(),
+                        waiting: f[2].parse().unwrap(),
+                        wall: f[3].parse().unwrap(),
+                        passes: Vec::new(),
+                    }),
+                    Some(&"PASS") => {
+                        let (mb, chunk) = (f[2].parse().unwrap(), f[3].parse().unwrap());
+                        let pass = match f[1] {
+                            "F" => Action::Forward { mb, chunk },
+                            _ => Action::Backward { mb, chunk },
+                        };
+                        let step = steps.last_mut().expect("a STEP line first");
+                        step.passes.push((pass, f[4].parse().unwrap()));
+                    }
                     Some(&"ACT") => {
                         act = f[1].parse().unwrap();
                         params = f[2].parse().unwrap();
@@ -299,18 +345,27 @@ fn child(spec: &str) {
     } else {
         run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay), false)
     };
-    for (c, w, wall) in steps {
-        println!("STEP {c} {w} {wall}");
+    for s in steps {
+        println!("STEP {} {} {}", s.compute, s.waiting, s.wall);
+        for (pass, secs) in s.passes {
+            let (kind, mb, chunk) = match pass {
+                Action::Forward { mb, chunk } => ("F", mb, chunk),
+                Action::Backward { mb, chunk } => ("B", mb, chunk),
+            };
+            println!("PASS {kind} {mb} {chunk} {secs}");
+        }
     }
     println!("ACT {act} {params} {state}");
 }
 
 fn report(what: &str, r: &Measured) {
     println!(
-        "{what}: bubble {:.3} measured, {:.3} in theory ({:+.0}%)",
+        "{what}: bubble {:.3} measured, {:.3} in theory ({:+.0}%), {:.3} replayed ({:+.0}%)",
         r.bubble,
         r.ideal,
-        100.0 * (r.bubble - r.ideal) / r.ideal
+        100.0 * (r.bubble - r.ideal) / r.ideal,
+        r.replayed,
+        100.0 * (r.bubble - r.replayed) / r.replayed
     );
     for (stage, (c, w, wall)) in r.stages.iter().enumerate() {
         println!(
@@ -344,7 +399,7 @@ fn main() {
         (8, ScheduleKind::GPipe, false),
         (8, ScheduleKind::OneFOneB, false),
         (8, ScheduleKind::Interleaved { chunks: 2 }, false),
-        // Cut by each unit's measured forward time instead of its parameter count.
+        // Cut by each unit's measured forward and backward time instead of its parameter count.
         (4, ScheduleKind::GPipe, true),
         (4, ScheduleKind::OneFOneB, true),
         (8, ScheduleKind::GPipe, true),

@@ -1,7 +1,7 @@
 //! One rank's stage of a pipeline: its parameters, and its part of each training step.
 
 use crate::mailbox::{Mailbox, Tag};
-use crate::{PipeError, Placement, Schedule, ScheduleKind, Split};
+use crate::{Action, PipeError, Placement, Schedule, ScheduleKind, Split};
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -29,7 +29,7 @@ pub struct PipelineConfig {
 }
 
 /// What one stage did in a step.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PipeStats {
     /// Time in forward and backward passes.
     pub compute: Duration,
@@ -39,6 +39,9 @@ pub struct PipeStats {
     pub wall: Duration,
     /// Bytes sent to other stages.
     pub sent: usize,
+    /// Each pass this stage ran, in order, with its compute time (replayed by
+    /// [`Schedule::simulate_with`], the bubble that stages of these costs leave in theory).
+    pub passes: Vec<(Action, Duration)>,
 }
 
 impl PipeStats {
@@ -365,7 +368,7 @@ impl Pipeline {
         let start = Instant::now();
         for action in self.schedule.actions(stage) {
             match *action {
-                crate::Action::Forward { mb, chunk } => {
+                Action::Forward { mb, chunk } => {
                     let (x, carry) = if chunk == 0 {
                         (None, Carry::Tokens(input(mb)))
                     } else {
@@ -388,10 +391,10 @@ impl Pipeline {
                     let kept = if chunk == last {
                         let l = passes.forward(|| loss(out, mb));
                         total += l.clone().into_scalar().elem::<f64>();
-                        stats.compute += t.elapsed();
+                        stats.passes.push((*action, t.elapsed()));
                         Kept::Loss(passes.scaled(l))
                     } else {
-                        stats.compute += t.elapsed();
+                        stats.passes.push((*action, t.elapsed()));
                         let next = Tag::Activation {
                             mb,
                             chunk: chunk + 1,
@@ -401,7 +404,7 @@ impl Pipeline {
                     };
                     alive.insert((mb, chunk), (x, kept, own));
                 }
-                crate::Action::Backward { mb, chunk } => {
+                Action::Backward { mb, chunk } => {
                     let (x, kept, own) = alive
                         .remove(&(mb, chunk))
                         .expect("a checked schedule runs a forward before its backward");
@@ -437,11 +440,14 @@ impl Pipeline {
                     }
                     acc.accumulate(model, GradientsParams::from_grads(grads, &own));
                     remark::<B, AB, M>(model);
-                    stats.compute += t.elapsed().saturating_sub(sending);
+                    stats
+                        .passes
+                        .push((*action, t.elapsed().saturating_sub(sending)));
                 }
             }
         }
         stats.wall = start.elapsed();
+        stats.compute = stats.passes.iter().map(|(_, d)| *d).sum();
         let mut grads = acc.grads();
         self.sum_shared_grads::<B, AB, M>(model, &mut grads, &mut mail)?;
         stats.waiting = mail.waited;

@@ -192,7 +192,7 @@ impl fmt::Display for Placement {
                         .map(|c| costs[self.chunks[c].clone()].iter().sum::<u64>())
                         .sum();
                     format!(
-                        ", {:.0}% of the measured forward time",
+                        ", {:.0}% of the measured compute time",
                         100.0 * mine as f64 / total.max(1) as f64
                     )
                 }
@@ -303,7 +303,7 @@ mod tests {
         assert!(
             by_cost
                 .to_string()
-                .contains("stage 0: u0..u2 (12 parameters, 47% of the measured forward time)"),
+                .contains("stage 0: u0..u2 (12 parameters, 47% of the measured compute time)"),
             "{by_cost}"
         );
         let err = Placement::new(sizes.clone(), 2, 1, &Split::Costs(vec![1, 2])).unwrap_err();

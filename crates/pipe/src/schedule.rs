@@ -261,6 +261,21 @@ impl Schedule {
     /// # Errors
     /// The schedule is not a valid one (see [`custom`](Schedule::custom)).
     pub fn simulate(&self, forward: f64, backward: f64) -> Result<Timeline, PipeError> {
+        let v = self.chunks as f64;
+        self.simulate_with(|a| match a {
+            Action::Forward { .. } => forward / v,
+            Action::Backward { .. } => backward / v,
+        })
+    }
+
+    /// Plays the schedule out with each pass taking `cost(pass)`, communication free: with the
+    /// passes' measured times ([`PipeStats::passes`](crate::PipeStats::passes)), the timeline
+    /// this schedule would have on stages that cost what these did, so that a measured bubble
+    /// can be told apart into the stages' imbalance and the pipeline's own overhead.
+    ///
+    /// # Errors
+    /// The schedule is not a valid one (see [`custom`](Schedule::custom)).
+    pub fn simulate_with(&self, cost: impl Fn(&Action) -> f64) -> Result<Timeline, PipeError> {
         let (p, n, m) = (self.stages, self.chunks(), self.microbatches);
         // Each action exactly once, on its chunk's stage.
         let mut seen = HashMap::new();
@@ -301,10 +316,6 @@ impl Schedule {
             }
         }
         // Play it: each stage runs its next action once that action's inputs exist.
-        let cost = |a: &Action| match a {
-            Action::Forward { .. } => forward / self.chunks as f64,
-            Action::Backward { .. } => backward / self.chunks as f64,
-        };
         let mut done: HashMap<Action, f64> = HashMap::new();
         let mut next = vec![0usize; p];
         let mut clock = vec![0.0f64; p];
@@ -501,6 +512,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn passes_of_unequal_cost_play_out_as_by_hand() {
+        // 1F1B, 2 stages, 4 micro-batches; stage 1 costs 1.5x stage 0. Stage 1 is the
+        // bottleneck: it starts after stage 0's first forward (1), computes without a gap
+        // (4 x 4.5), and stage 0's last backward (2) follows: 21.
+        let s = Schedule::new(ScheduleKind::OneFOneB, 2, 4).unwrap();
+        let t = s
+            .simulate_with(|a| match *a {
+                Action::Forward { chunk, .. } => [1.0, 1.5][chunk],
+                Action::Backward { chunk, .. } => [2.0, 3.0][chunk],
+            })
+            .unwrap();
+        assert_eq!(t.makespan, 21.0);
+        assert_eq!(t.busy, vec![12.0, 18.0]);
+        assert!((t.bubble() - (1.0 - 30.0 / 42.0)).abs() < 1e-12);
+        // The same costs on both stages give the textbook bubble.
+        let even = s.simulate_with(|a| match a {
+            Action::Forward { .. } => 1.0,
+            Action::Backward { .. } => 2.0,
+        });
+        assert!((even.unwrap().bubble() - s.ideal_bubble()).abs() < 1e-12);
     }
 
     #[test]

@@ -138,8 +138,14 @@ where
             let device = model.devices().into_iter().next().unwrap_or_default();
             // Token values do not change the cost of any unit: zeros will do.
             let tokens = Tensor::<Train<B, C>, 2, Int>::zeros(microbatch, &device);
-            config.split =
-                kiln_pipe::Split::Costs(kiln_pipe::measure_costs(&model, tokens, world, 3)?);
+            let loss = |logits| causal_lm_loss(logits, tokens.clone());
+            config.split = kiln_pipe::Split::Costs(kiln_pipe::measure_costs(
+                &model,
+                tokens.clone(),
+                loss,
+                world,
+                3,
+            )?);
         }
         Ok(Pipeline::new(model, group, &config)?)
     }

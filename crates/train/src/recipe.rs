@@ -342,7 +342,7 @@ pub struct ParallelRecipe {
     pub schedule: String,
     /// Where the pipeline's chunks start, as unit names after the first chunk (`h.2,h.5`;
     /// the start of a run prints the units); `measured`: chunks balanced by each unit's forward
-    /// time, measured on every rank at start (the slowest rank's figure counts); or empty:
+    /// and backward time, measured on every rank at start (the slowest rank's figure counts); or empty:
     /// chunks balanced by parameter count.
     #[serde(default)]
     pub split: String,
