@@ -238,9 +238,8 @@ fn tiny() -> kiln_gpt2::Gpt2<AB> {
 
 /// A `p`-stage pipeline with stages as processes (this program again, joined by TCP), in delay
 /// mode, or with part 1's real compute when both delays are zero (one Rayon thread per
-/// process): Burn's autodiff graph registry is process-wide, and eight stage threads of one
-/// process trip over its cross-thread clean-up; two stage threads computing at once are slower
-/// than two processes.
+/// process): as `kiln launch` runs stages, each with an autodiff graph registry and an
+/// allocator of its own.
 fn measure_processes(
     p: usize,
     m: usize,
@@ -417,9 +416,9 @@ fn main() {
             peaks.push((schedule, r.activations));
         }
     }
-    // The same at m = 8 with the two stages as processes: under 1F1B, stage threads of one
-    // process compute unequally (stage 0 20-30% more than stage 1, with one Rayon thread each
-    // too), which processes do not.
+    // The same at m = 8 with the two stages as processes (before kiln patched burn-autodiff's
+    // clean-up, stage threads of one process computed unequally under 1F1B and processes did
+    // not).
     println!("-- the same at m = 8, stages as processes (one Rayon thread each)");
     for schedule in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
         let r = measure_processes(2, 8, schedule, 5, (Duration::ZERO, Duration::ZERO));

@@ -43,7 +43,7 @@ pub mod placement;
 pub mod schedule;
 
 pub use measure::measure_costs;
-pub use pipeline::{PipeStats, Pipeline, PipelineConfig};
+pub use pipeline::{PipeStats, Pipeline, PipelineConfig, SHARDED_STAGE_THREADS};
 pub use placement::{Placement, Split};
 pub use schedule::{Action, Schedule, ScheduleKind, Timeline};
 

@@ -51,6 +51,32 @@ impl PipeStats {
     }
 }
 
+/// Whether pipeline stages that are threads of one process may hold parameters gathered in
+/// backward (ZeRO-3, hybrid on the data-parallel axis): true when burn-autodiff is built with
+/// the fix of tracel-ai/burn#5194, as kiln's workspace builds it (`vendor/burn-autodiff`,
+/// detected at build time). Burn 0.21.0 as published ends every backward with a clean-up that
+/// waits for every graph of the process, and a graph is held through its whole backward: a
+/// stage's clean-up then waits for another stage whose backward is in an all-gather, which can
+/// wait on the first stage's next send, a cycle. Without the fix [`Pipeline::step`] refuses that
+/// case, naming it; ranks as processes (`kiln launch`) have graphs of their own either way.
+pub const SHARDED_STAGE_THREADS: bool = cfg!(burn_autodiff_skips_busy_graphs);
+
+/// The refusal of [`SHARDED_STAGE_THREADS`]: `sharded` is a parameter gathered in backward, if
+/// any, of a pipeline whose stages are threads of one process.
+fn sharded_threads(sharded: Option<String>, allowed: bool) -> Result<(), PipeError> {
+    match sharded {
+        Some(path) if !allowed => Err(PipeError::Config(format!(
+            "parameter {path} is sharded (ZeRO-3 or hybrid) and the stages are threads of one \
+             process: this build's burn-autodiff (the published 0.21.0, without the fix of \
+             tracel-ai/burn#5194) lets a stage's backward all-gathers deadlock with another \
+             stage's sends. Run the ranks as processes (kiln launch, TCP groups), use DDP or \
+             ZeRO-1/2 on the data-parallel axis, or build with kiln's vendor/burn-autodiff \
+             ([patch.crates-io], see its KILN-PATCH.md)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// A parameter read on several stages.
 #[derive(Debug, Clone)]
 struct SharedParam {
@@ -235,9 +261,8 @@ impl Pipeline {
     }
 
     /// Refuses parameters gathered in backward (ZeRO-3, hybrid) when the stages are threads of
-    /// one process: Burn's autodiff tidies every thread's graph after each backward, waiting
-    /// for a graph whose backward is in an all-gather, which can wait on this stage's next
-    /// send: a cycle. Separate processes (`kiln launch`) have separate graphs.
+    /// one process and burn-autodiff lacks the fix of tracel-ai/burn#5194 (see
+    /// [`SHARDED_STAGE_THREADS`]).
     fn check_threads<B, AB, M>(&self, model: &M) -> Result<(), PipeError>
     where
         B: Backend,
@@ -255,15 +280,7 @@ impl Pipeline {
                 sharded = Some(path.to_string());
             }
         });
-        match sharded {
-            None => Ok(()),
-            Some(path) => Err(PipeError::Config(format!(
-                "parameter {path} is sharded (ZeRO-3 or hybrid) and the stages are threads of one \
-                 process: Burn's autodiff graph is shared by the process's threads and a stage's \
-                 backward all-gathers can deadlock with another stage's sends. Run the ranks as \
-                 processes (kiln launch, TCP groups), or use DDP or ZeRO-1/2 on the data-parallel axis"
-            ))),
-        }
+        sharded_threads(sharded, SHARDED_STAGE_THREADS)
     }
 
     /// The summed loss of `microbatches` micro-batches, forward only (validation): each stage
@@ -775,5 +792,30 @@ impl<B: Backend> ModuleMapper<B> for Drop<'_> {
         let (id, _, mapper) = param.consume();
         let empty = Tensor::<B, D>::zeros(Shape::new([0; D]), &device);
         Param::from_mapped_value(id, empty, mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{SHARDED_STAGE_THREADS, sharded_threads};
+
+    #[test]
+    // The constant is the build's: this checks that the build script saw kiln's burn-autodiff.
+    #[allow(clippy::assertions_on_constants)]
+    fn sharded_stage_threads_are_refused_only_without_the_fix() {
+        let path = || Some("h.0.attn.c_attn.weight".to_string());
+        let err = sharded_threads(path(), false).unwrap_err().to_string();
+        assert!(
+            err.contains("parameter h.0.attn.c_attn.weight is sharded"),
+            "{err}"
+        );
+        assert!(err.contains("tracel-ai/burn#5194"), "{err}");
+        assert!(sharded_threads(path(), true).is_ok());
+        assert!(sharded_threads(None, false).is_ok());
+        // kiln's workspace builds vendor/burn-autodiff, which carries the fix.
+        assert!(
+            SHARDED_STAGE_THREADS,
+            "burn-autodiff's build metadata was not seen"
+        );
     }
 }

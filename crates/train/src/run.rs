@@ -345,6 +345,7 @@ where
     let t = &recipe.train;
     let strategy = recipe.strategy()?;
     if pp > 1
+        && !kiln_pipe::SHARDED_STAGE_THREADS
         && group.backend() == "local"
         && matches!(
             strategy,
@@ -354,9 +355,9 @@ where
         fail!(
             Recipe,
             "parallel.strategy {strategy} with parallel.pp {pp} needs ranks as processes (kiln \
-             launch): with stages as threads of one process, Burn's process-wide autodiff graph \
-             clean-up can deadlock a stage's backward all-gathers against another stage's sends. \
-             Use ddp, zero1 or zero2, or kiln launch"
+             launch) in this build: its burn-autodiff (without the fix of tracel-ai/burn#5194) \
+             can deadlock a stage's backward all-gathers against another stage's sends when \
+             stages are threads of one process. Use ddp, zero1 or zero2, or kiln launch"
         );
     }
     let out = &recipe.output.dir;
