@@ -67,6 +67,9 @@ fn a_pipelined_run_trains_as_one_rank_and_its_snapshots_move_between_layouts() {
         "stage 0: embed (",
         "stage 1: h.0..head",
         "rank 3: peak",
+        "pipeline bubble: ",
+        "for stages of equal cost",
+        "per step, stage 0 computes ",
     ] {
         assert!(out.contains(needle), "{needle:?} in:\n{out}");
     }

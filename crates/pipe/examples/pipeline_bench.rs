@@ -3,8 +3,8 @@
 //! activation bytes a stage holds at its peak under GPipe and 1F1B.
 //!
 //! The textbook figure assumes stages of equal cost. Each row also replays the schedule with
-//! every pass taking the time it took in that step, communication free
-//! (`Schedule::simulate_with`): "replayed" is the bubble these stages leave under this schedule
+//! every pass taking its mean time over the timed steps, communication free
+//! (`Pipeline::bubble`, `Schedule::simulate_with`): "replayed" is the bubble these stages leave under this schedule
 //! in theory, so that measured against textbook splits into the stages' imbalance (replayed
 //! against textbook: the cut) and the pipeline's own overhead (measured against replayed:
 //! hand-overs, waking, copies).
@@ -24,8 +24,7 @@ use kiln::shard::{ShardedOptimizer, StepConfig};
 use kiln::{Flex, Train};
 use kiln_comm::{LocalGroup, ProcessGroup};
 use kiln_hf::causal_lm_loss;
-use kiln_pipe::{Action, Pipeline, PipelineConfig, Schedule, ScheduleKind, Split};
-use std::collections::HashMap;
+use kiln_pipe::{Bubble, Pipeline, PipelineConfig, ScheduleKind, Split, StageTimes, Tally};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -66,30 +65,17 @@ fn tokens(rows: usize, seq: usize, step: usize, mb: usize, shift: usize) -> Tens
 
 /// What one configuration measured, averaged over the timed steps.
 struct Measured {
-    /// Per stage: compute, waiting, wall (seconds per step).
-    stages: Vec<(f64, f64, f64)>,
-    bubble: f64,
-    ideal: f64,
-    /// The bubble the schedule leaves, communication free, when each pass takes as long as it
-    /// took here (the stages' imbalance included; the textbook's `ideal` assumes equal stages).
-    replayed: f64,
+    /// The bubble, its references and the stages' mean times (`Pipeline::bubble`).
+    bubble: Bubble,
     /// Per stage: peak activation bytes in a step.
     activations: Vec<usize>,
     /// Per stage: bytes of parameters and of AdamW state.
     held: Vec<(usize, usize)>,
 }
 
-/// One timed step of one stage: compute, waiting and wall seconds, and each pass's seconds.
-struct StepTimes {
-    compute: f64,
-    waiting: f64,
-    wall: f64,
-    passes: Vec<(Action, f64)>,
-}
-
-/// Per timed step, its times; the peak activation bytes; the bytes of the stage's parameters
-/// and of its AdamW state at the end.
-type RankRun = (Vec<StepTimes>, usize, usize, usize);
+/// One rank's run: the pipeline's bubble (the same on every rank); the stage's peak
+/// activation bytes; the bytes of its parameters and of its AdamW state at the end.
+type RankRun = (Bubble, usize, usize, usize);
 
 /// `steps` steps (the first not timed) of this rank's stage.
 #[allow(clippy::too_many_arguments)]
@@ -134,7 +120,7 @@ fn run_rank(
         pipe = pipe.with_delay(f, b);
     }
     let mut optim = ShardedOptimizer::<_, Flex>::new(AdamWConfig::new().init::<AB, _>());
-    let mut out = Vec::new();
+    let mut tally = Tally::default();
     let mut activations = 0;
     for step in 0..steps {
         world.barrier().unwrap();
@@ -150,16 +136,7 @@ fn run_rank(
         );
         model = next;
         if step > 0 {
-            out.push(StepTimes {
-                compute: s.compute.as_secs_f64(),
-                waiting: s.waiting.as_secs_f64(),
-                wall: s.wall.as_secs_f64(),
-                passes: s
-                    .passes
-                    .iter()
-                    .map(|(a, d)| (*a, d.as_secs_f64()))
-                    .collect(),
-            });
+            tally.add(&s);
         }
         if let Some(mem) = stats.memory {
             activations = activations.max(mem.peak_of(MemKind::Activations));
@@ -167,38 +144,15 @@ fn run_rank(
     }
     let params = kiln::shard::account::param_bytes::<Flex, AB, _>(&model);
     let state = kiln::shard::account::record_bytes::<AB, _>(optim.to_record());
-    (out, activations, params, state)
+    (pipe.bubble(&tally).unwrap(), activations, params, state)
 }
 
 /// The pipeline's numbers from every rank's.
-fn summarize(per_rank: &[RankRun], m: usize, schedule: ScheduleKind) -> Measured {
-    let p = per_rank.len();
-    let timed = per_rank[0].0.len();
-    let plan = Schedule::new(schedule, p, m).unwrap();
-    let mut stages = vec![(0.0, 0.0, 0.0); p];
-    let (mut bubble, mut replayed) = (0.0, 0.0);
-    for step in 0..timed {
-        let makespan = per_rank.iter().map(|r| r.0[step].wall).fold(0.0, f64::max);
-        let busy: f64 = per_rank.iter().map(|r| r.0[step].compute).sum();
-        bubble += 1.0 - busy / (p as f64 * makespan);
-        let took: HashMap<Action, f64> = per_rank
-            .iter()
-            .flat_map(|r| r.0[step].passes.iter().copied())
-            .collect();
-        replayed += plan.simulate_with(|a| took[a]).unwrap().bubble();
-        for (rank, (s, ..)) in per_rank.iter().enumerate() {
-            stages[rank].0 += s[step].compute / timed as f64;
-            stages[rank].1 += s[step].waiting / timed as f64;
-            stages[rank].2 += s[step].wall / timed as f64;
-        }
-    }
+fn summarize(per_rank: Vec<RankRun>) -> Measured {
     Measured {
-        stages,
-        bubble: bubble / timed as f64,
-        ideal: plan.ideal_bubble(),
-        replayed: replayed / timed as f64,
         activations: per_rank.iter().map(|r| r.1).collect(),
         held: per_rank.iter().map(|r| (r.2, r.3)).collect(),
+        bubble: per_rank.into_iter().next().expect("a rank").0,
     }
 }
 
@@ -228,7 +182,7 @@ fn measure(
         )
     })
     .unwrap();
-    summarize(&per_rank, m, schedule)
+    summarize(per_rank)
 }
 
 /// The delay-mode model: GPT-2 with 16 blocks of width 8 (its compute is negligible).
@@ -281,26 +235,27 @@ fn measure_processes(
             let out = c.wait_with_output().unwrap();
             assert!(out.status.success(), "a stage process failed");
             let text = String::from_utf8(out.stdout).unwrap();
-            let mut steps: Vec<StepTimes> = Vec::new();
             let (mut act, mut params, mut state) = (0, 0, 0);
+            let mut bubble = Bubble {
+                measured: 0.0,
+                textbook: 0.0,
+                replayed: 0.0,
+                stages: Vec::new(),
+                steps: 0,
+            };
             for line in text.lines() {
                 let f: Vec<&str> = line.split_whitespace().collect();
+                let num = |i: usize| f[i].parse::<f64>().unwrap();
                 match f.first() {
-                    Some(&"STEP") => steps.push(StepTimes {
-                        compute: f[1].parse().unwrap(),
-                        waiting: f[2].parse().unwrap(),
-                        wall: f[3].parse().unwrap(),
-                        passes: Vec::new(),
-                    }),
-                    Some(&"PASS") => {
-                        let (mb, chunk) = (f[2].parse().unwrap(), f[3].parse().unwrap());
-                        let pass = match f[1] {
-                            "F" => Action::Forward { mb, chunk },
-                            _ => Action::Backward { mb, chunk },
-                        };
-                        let step = steps.last_mut().expect("a STEP line first");
-                        step.passes.push((pass, f[4].parse().unwrap()));
+                    Some(&"BUBBLE") => {
+                        (bubble.measured, bubble.textbook) = (num(1), num(2));
+                        (bubble.replayed, bubble.steps) = (num(3), f[4].parse().unwrap());
                     }
+                    Some(&"STAGE") => bubble.stages.push(StageTimes {
+                        compute: num(1),
+                        waiting: num(2),
+                        wall: num(3),
+                    }),
                     Some(&"ACT") => {
                         act = f[1].parse().unwrap();
                         params = f[2].parse().unwrap();
@@ -309,10 +264,10 @@ fn measure_processes(
                     _ => {}
                 }
             }
-            (steps, act, params, state)
+            (bubble, act, params, state)
         })
         .collect();
-    summarize(&per_rank, m, schedule)
+    summarize(per_rank)
 }
 
 /// A stage process of `measure_processes`.
@@ -329,7 +284,7 @@ fn child(spec: &str) {
     );
     let world: Arc<dyn ProcessGroup> = Arc::new(kiln_comm::TcpGroup::from_env().unwrap());
     // No delay: the real-compute model of part 1.
-    let (steps, act, params, state) = if delay == (Duration::ZERO, Duration::ZERO) {
+    let (bubble, act, params, state) = if delay == (Duration::ZERO, Duration::ZERO) {
         run_rank(
             world,
             gpt2(8, 128, 128),
@@ -344,34 +299,32 @@ fn child(spec: &str) {
     } else {
         run_rank(world, tiny(), m, schedule, 1, 8, steps, Some(delay), false)
     };
-    for s in steps {
-        println!("STEP {} {} {}", s.compute, s.waiting, s.wall);
-        for (pass, secs) in s.passes {
-            let (kind, mb, chunk) = match pass {
-                Action::Forward { mb, chunk } => ("F", mb, chunk),
-                Action::Backward { mb, chunk } => ("B", mb, chunk),
-            };
-            println!("PASS {kind} {mb} {chunk} {secs}");
-        }
+    println!(
+        "BUBBLE {} {} {} {}",
+        bubble.measured, bubble.textbook, bubble.replayed, bubble.steps
+    );
+    for s in &bubble.stages {
+        println!("STAGE {} {} {}", s.compute, s.waiting, s.wall);
     }
     println!("ACT {act} {params} {state}");
 }
 
 fn report(what: &str, r: &Measured) {
+    let b = &r.bubble;
     println!(
         "{what}: bubble {:.3} measured, {:.3} in theory ({:+.0}%), {:.3} replayed ({:+.0}%)",
-        r.bubble,
-        r.ideal,
-        100.0 * (r.bubble - r.ideal) / r.ideal,
-        r.replayed,
-        100.0 * (r.bubble - r.replayed) / r.replayed
+        b.measured,
+        b.textbook,
+        100.0 * (b.measured - b.textbook) / b.textbook,
+        b.replayed,
+        100.0 * (b.measured - b.replayed) / b.replayed
     );
-    for (stage, (c, w, wall)) in r.stages.iter().enumerate() {
+    for (stage, s) in b.stages.iter().enumerate() {
         println!(
             "    stage {stage}: compute {:.1} ms, waiting {:.1} ms, schedule {:.1} ms per step; peak activations {:.2} MiB",
-            c * 1e3,
-            w * 1e3,
-            wall * 1e3,
+            s.compute * 1e3,
+            s.waiting * 1e3,
+            s.wall * 1e3,
             r.activations[stage] as f64 / (1 << 20) as f64
         );
     }
@@ -483,13 +436,13 @@ fn main() {
             (8, ScheduleKind::Interleaved { chunks: 2 }),
             (16, ScheduleKind::OneFOneB),
         ] {
-            let r = measure_processes(p, m, schedule, 3, (f, b));
+            let r = measure_processes(p, m, schedule, 3, (f, b)).bubble;
             println!(
                 "p {p}, m {m}, {schedule}: bubble {:.3} measured, {:.3} in theory ({:+.0}%); step {:.0} ms (ideal {:.0} ms)",
-                r.bubble,
-                r.ideal,
-                100.0 * (r.bubble - r.ideal) / r.ideal,
-                r.stages.iter().map(|s| s.2).fold(0.0, f64::max) * 1e3,
+                r.measured,
+                r.textbook,
+                100.0 * (r.measured - r.textbook) / r.textbook,
+                r.stages.iter().map(|s| s.wall).fold(0.0, f64::max) * 1e3,
                 (f + b).as_secs_f64()
                     * 1e3
                     * (m as f64 + (p as f64 - 1.0) / schedule.chunks() as f64)

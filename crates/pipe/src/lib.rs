@@ -36,12 +36,14 @@
 //!   Stage-to-stage tensors travel through host memory, on GPUs too.
 #![warn(missing_docs)]
 
+mod bubble;
 mod mailbox;
 mod measure;
 mod pipeline;
 pub mod placement;
 pub mod schedule;
 
+pub use bubble::{Bubble, StageTimes, Tally};
 pub use measure::measure_costs;
 pub use pipeline::{PipeStats, Pipeline, PipelineConfig, SHARDED_STAGE_THREADS};
 pub use placement::{Placement, Split};

@@ -61,7 +61,7 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
     }
 
     /// One pipelined step over this rank's rows `x`, `y` (cut into the pipeline's
-    /// micro-batches), through [`Pipeline::step`].
+    /// micro-batches), through [`Pipeline::step`], with what the stage did.
     #[allow(clippy::too_many_arguments)]
     fn pipe_step<O: Optimizer<Self::Model, Train<B, C>>>(
         &self,
@@ -72,7 +72,7 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
         _config: &StepConfig,
         _x: &Tensor<Train<B, C>, 2, Int>,
         _y: &Tensor<Train<B, C>, 2, Int>,
-    ) -> (Self::Model, kiln_shard::StepStats) {
+    ) -> (Self::Model, kiln_shard::StepStats, kiln_pipe::PipeStats) {
         unreachable!("only whole models are pipelined (checked with the recipe)")
     }
 
@@ -159,22 +159,21 @@ where
         config: &StepConfig,
         x: &Tensor<Train<B, C>, 2, Int>,
         y: &Tensor<Train<B, C>, 2, Int>,
-    ) -> (M, kiln_shard::StepStats) {
+    ) -> (M, kiln_shard::StepStats, kiln_pipe::PipeStats) {
         let m = pipe.schedule().microbatches();
         let [rows, seq] = x.dims();
         let per = rows / m;
         let cut = |t: &Tensor<Train<B, C>, 2, Int>, mb: usize| {
             t.clone().slice([mb * per..(mb + 1) * per, 0..seq])
         };
-        let (model, stats, _) = pipe.step(
+        pipe.step(
             model,
             optim,
             lr,
             config,
             |mb| cut(x, mb),
             |logits, mb| causal_lm_loss(logits, cut(y, mb)).div_scalar(m as f64),
-        );
-        (model, stats)
+        )
     }
 
     fn pipe_last_logits(

@@ -260,6 +260,9 @@ impl RunInfo {
                     100.0 * s.comm_wait
                 ));
             }
+            if let Some(b) = &s.bubble {
+                lines.push(bubble_line(b));
+            }
         }
         lines.extend(memory_lines(&s.memory));
         if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {
@@ -304,6 +307,33 @@ impl RunInfo {
         }
         lines
     }
+}
+
+/// A pipelined run's bubble beside its two references, and each stage's mean step: the
+/// replayed figure tells a cut of unequal stages (replayed above the textbook) from the
+/// pipeline's own overhead (measured above replayed).
+pub fn bubble_line(b: &kiln_pipe::Bubble) -> String {
+    let stages: Vec<String> = b
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            format!(
+                "stage {i} computes {:.0} ms, waits {:.0} ms",
+                s.compute * 1e3,
+                s.waiting * 1e3
+            )
+        })
+        .collect();
+    format!(
+        "pipeline bubble: {:.3} of the stages' time over {} steps ({:.3} for stages of equal cost, \
+         {:.3} for these stages' measured passes); per step, {}",
+        b.measured,
+        b.steps,
+        b.textbook,
+        b.replayed,
+        stages.join(", ")
+    )
 }
 
 /// The memory table of the summary: each rank's most demanding step (up to 8 ranks; beyond,

@@ -96,6 +96,9 @@ pub struct Summary {
     pub skipped_steps: usize,
     /// The loss scale at the end (f16 only).
     pub loss_scale: Option<f64>,
+    /// A pipelined run's bubble, from its second step on (stage group of data-parallel rank
+    /// 0 as reported; every stage group computes its own).
+    pub bubble: Option<kiln_pipe::Bubble>,
 }
 
 /// One rank's memory in its most demanding step, beside its optimizer state.
@@ -599,6 +602,7 @@ where
             sample_before = Some(sample(&model));
         }
     }
+    let mut tally = kiln_pipe::Tally::default();
     for step in first_step + 1..=last_step {
         let step_start = Instant::now();
         let wait_start = kiln_shard::account::comm_wait(group.rank());
@@ -621,7 +625,15 @@ where
             ..step_config
         };
         let (stepped, stats) = match &pipe {
-            Some(pipe) => plan.pipe_step(pipe, model, &mut optim, lr, &config, &x, &y),
+            Some(pipe) => {
+                let (stepped, stats, stage) =
+                    plan.pipe_step(pipe, model, &mut optim, lr, &config, &x, &y);
+                // The run's first step allocates what the others reuse: not tallied.
+                if step > first_step + 1 {
+                    tally.add(&stage);
+                }
+                (stepped, stats)
+            }
             None => kiln_shard::step(model, &mut optim, lr, &config, |m, _| {
                 causal_lm_loss(m.forward(x.clone()), y.clone())
             }),
@@ -735,6 +747,26 @@ where
         metrics.record(serde_json::json!({ "memory": rows }))?;
     }
 
+    // The pipeline's bubble: a collective over each stage group.
+    let bubble = match &pipe {
+        Some(pipe) if tally.steps() > 0 => Some(pipe.bubble(&tally)?),
+        _ => None,
+    };
+    if let Some(b) = &bubble {
+        let stages: Vec<serde_json::Value> = b
+            .stages
+            .iter()
+            .map(|s| serde_json::json!({ "compute_s": s.compute, "waiting_s": s.waiting, "schedule_s": s.wall }))
+            .collect();
+        metrics.record(serde_json::json!({ "pipeline": {
+            "steps": b.steps,
+            "bubble": b.measured,
+            "textbook": b.textbook,
+            "replayed": b.replayed,
+            "stages": stages,
+        }}))?;
+    }
+
     let steps_run = last_step.saturating_sub(first_step);
     let tokens_per_s = metrics.tokens_per_s(first_step + steps_run, tokens_per_step);
     let summary = Summary {
@@ -752,6 +784,7 @@ where
         memory,
         skipped_steps,
         loss_scale: loss_scale.map(|s| s.scale),
+        bubble,
     };
     report.report(Event::Finished {
         summary: &summary,
