@@ -6,49 +6,51 @@
 
 use crate::{Action, PipeError, PipeStats, Pipeline};
 use kiln_comm::{BufMut, BufRef};
+use std::time::Duration;
 
-/// One stage's [`PipeStats`] summed over steps (add every step that should count; the first
-/// step of a run is usually left out: it allocates what later steps reuse).
+/// One stage's [`PipeStats`] of the steps that should count (the first step of a run is
+/// usually left out: it allocates what later steps reuse), the latest [`Tally::KEPT`] of them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Tally {
-    steps: usize,
-    compute: f64,
-    waiting: f64,
-    wall: f64,
-    /// Each pass's summed seconds, in the order the stage runs them.
-    passes: Vec<(Action, f64)>,
+    /// The stage's passes, in the order it runs them.
+    actions: Vec<Action>,
+    /// Per step: compute, waiting and wall seconds, then each pass's seconds.
+    rows: std::collections::VecDeque<Vec<f64>>,
 }
 
 impl Tally {
+    /// The most steps kept (the latest): a bubble is averaged over at most this many.
+    pub const KEPT: usize = 4096;
+
     /// Adds one step's figures.
     ///
     /// # Panics
     /// If the step ran other passes than the steps before it (another schedule).
     pub fn add(&mut self, step: &PipeStats) {
-        if self.steps == 0 {
-            self.passes = step.passes.iter().map(|(a, _)| (*a, 0.0)).collect();
+        if self.rows.is_empty() {
+            self.actions = step.passes.iter().map(|(a, _)| *a).collect();
         }
         assert!(
-            self.passes.len() == step.passes.len()
-                && self
-                    .passes
-                    .iter()
-                    .zip(&step.passes)
-                    .all(|(a, b)| a.0 == b.0),
+            self.actions.iter().eq(step.passes.iter().map(|(a, _)| a)),
             "a pipeline tally adds steps of one schedule"
         );
-        for (sum, (_, d)) in self.passes.iter_mut().zip(&step.passes) {
-            sum.1 += d.as_secs_f64();
+        if self.rows.len() == Self::KEPT {
+            self.rows.pop_front();
         }
-        self.steps += 1;
-        self.compute += step.compute.as_secs_f64();
-        self.waiting += step.waiting.as_secs_f64();
-        self.wall += step.wall.as_secs_f64();
+        let times = [step.compute, step.waiting, step.wall];
+        let passes = step.passes.iter().map(|(_, d)| d);
+        self.rows.push_back(
+            times
+                .iter()
+                .chain(passes)
+                .map(Duration::as_secs_f64)
+                .collect(),
+        );
     }
 
-    /// The steps added.
+    /// The steps kept.
     pub fn steps(&self) -> usize {
-        self.steps
+        self.rows.len()
     }
 }
 
@@ -67,16 +69,16 @@ pub struct StageTimes {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Bubble {
     /// The idle share measured: `1 - Σ compute / (p · the longest stage's schedule time)`,
-    /// from the stages' mean step.
+    /// averaged over the steps.
     pub measured: f64,
     /// `(p-1)/(v·m + p-1)`: the schedule's for stages of equal cost, communication free.
     pub textbook: f64,
-    /// The schedule played out with each pass taking its mean measured time, communication
-    /// free ([`Schedule::simulate_with`](crate::Schedule::simulate_with)).
+    /// The schedule played out with each pass taking the time it took, communication free
+    /// ([`Schedule::simulate_with`](crate::Schedule::simulate_with)), averaged over the steps.
     pub replayed: f64,
-    /// Per stage, in stage order.
+    /// Per stage, in stage order: the mean step.
     pub stages: Vec<StageTimes>,
-    /// The steps measured.
+    /// The steps measured (the latest [`Tally::KEPT`] at most).
     pub steps: usize,
 }
 
@@ -88,69 +90,80 @@ impl Pipeline {
     /// The stage group's all-gather failed, or a stage tallied no step or other steps.
     pub fn bubble(&self, tally: &Tally) -> Result<Bubble, PipeError> {
         let schedule = self.schedule();
-        let p = schedule.stages();
-        let n = self.schedule().actions(self.stage()).len();
-        let ours = schedule.actions(self.stage()).iter();
-        if tally.steps == 0
-            || tally.passes.len() != n
-            || !ours.eq(tally.passes.iter().map(|p| &p.0))
-        {
+        let (p, stage) = (schedule.stages(), self.stage());
+        let ours = schedule.actions(stage);
+        if tally.rows.is_empty() || tally.actions != ours {
             return Err(PipeError::Config(format!(
-                "stage {}: a bubble needs a tally of this pipeline's steps ({} steps of {} passes, \
-                 expected {n} passes a step)",
-                self.stage(),
-                tally.steps,
-                tally.passes.len()
+                "stage {stage}: a bubble needs a tally of this pipeline's steps ({} steps of {} \
+                 passes, expected {} passes a step)",
+                tally.rows.len(),
+                tally.actions.len(),
+                ours.len()
             )));
         }
-        // Every stage runs 2·m·v passes, so the rows are of one length: steps, compute,
-        // waiting, wall, then each pass's sum (f64 bits: the group carries i64 exactly).
-        let mut mine = vec![tally.steps as f64, tally.compute, tally.waiting, tally.wall];
-        mine.extend(tally.passes.iter().map(|(_, s)| *s));
-        let bits: Vec<i64> = mine.iter().map(|v| v.to_bits() as i64).collect();
-        let mut all = vec![0i64; bits.len() * p];
+        let comm = |what: &str, source| PipeError::Comm {
+            stage,
+            what: what.into(),
+            source: Box::new(source),
+        };
+        let mut counts = vec![0i64; p];
         self.group()
-            .all_gather(BufRef::I64(&bits), BufMut::I64(&mut all))
-            .map_err(|source| PipeError::Comm {
-                stage: self.stage(),
-                what: "gathering the stages' pass times".into(),
-                source: Box::new(source),
-            })?;
-        let rows: Vec<Vec<f64>> = all
-            .chunks(bits.len())
-            .map(|r| r.iter().map(|&b| f64::from_bits(b as u64)).collect())
-            .collect();
-        if rows.iter().any(|r| r[0] != rows[0][0]) {
-            let counts: Vec<f64> = rows.iter().map(|r| r[0]).collect();
+            .all_gather(
+                BufRef::I64(&[tally.rows.len() as i64]),
+                BufMut::I64(&mut counts),
+            )
+            .map_err(|e| comm("gathering the stages' step counts", e))?;
+        if counts.iter().any(|&c| c != counts[0]) {
             return Err(PipeError::Config(format!(
                 "the stages tallied different numbers of steps: {counts:?}"
             )));
         }
-        let steps = tally.steps as f64;
-        let stages: Vec<StageTimes> = rows
+        // Every stage runs 2·m·v passes, so all rows are of one length (f64 bits: the group
+        // carries i64 exactly).
+        let bits: Vec<i64> = tally
+            .rows
             .iter()
-            .map(|r| StageTimes {
-                compute: r[1] / steps,
-                waiting: r[2] / steps,
-                wall: r[3] / steps,
-            })
+            .flatten()
+            .map(|v| v.to_bits() as i64)
             .collect();
-        // Each stage's passes in its schedule order, as its row lists them.
-        let mut took = std::collections::HashMap::new();
-        for (stage, row) in rows.iter().enumerate() {
-            for (action, sum) in schedule.actions(stage).iter().zip(&row[4..]) {
-                took.insert(*action, sum / steps);
-            }
+        let mut all = vec![0i64; bits.len() * p];
+        self.group()
+            .all_gather(BufRef::I64(&bits), BufMut::I64(&mut all))
+            .map_err(|e| comm("gathering the stages' pass times", e))?;
+        let all: Vec<f64> = all.iter().map(|&b| f64::from_bits(b as u64)).collect();
+        let (steps, width) = (tally.rows.len(), 3 + ours.len());
+        // Stage s's row of step k.
+        let row = |s: usize, k: usize| &all[(s * steps + k) * width..(s * steps + k + 1) * width];
+        let (mut measured, mut replayed) = (0.0, 0.0);
+        for k in 0..steps {
+            let busy: f64 = (0..p).map(|s| row(s, k)[0]).sum();
+            let makespan = (0..p).map(|s| row(s, k)[2]).fold(0.0, f64::max);
+            measured += 1.0 - busy / (p as f64 * makespan);
+            let took: std::collections::HashMap<Action, f64> = (0..p)
+                .flat_map(|s| {
+                    schedule
+                        .actions(s)
+                        .iter()
+                        .copied()
+                        .zip(row(s, k)[3..].iter().copied())
+                })
+                .collect();
+            replayed += schedule.simulate_with(|a| took[a])?.bubble();
         }
-        let replayed = schedule.simulate_with(|a| took[a])?.bubble();
-        let makespan = stages.iter().map(|s| s.wall).fold(0.0, f64::max);
-        let busy: f64 = stages.iter().map(|s| s.compute).sum();
+        let mean =
+            |s: usize, i: usize| (0..steps).map(|k| row(s, k)[i]).sum::<f64>() / steps as f64;
         Ok(Bubble {
-            measured: 1.0 - busy / (p as f64 * makespan),
+            measured: measured / steps as f64,
             textbook: schedule.ideal_bubble(),
-            replayed,
-            stages,
-            steps: tally.steps,
+            replayed: replayed / steps as f64,
+            stages: (0..p)
+                .map(|s| StageTimes {
+                    compute: mean(s, 0),
+                    waiting: mean(s, 1),
+                    wall: mean(s, 2),
+                })
+                .collect(),
+            steps,
         })
     }
 }
