@@ -1,6 +1,7 @@
 //! `kiln finetune` and `kiln verify-lora` as a user runs them: a short QLoRA fine-tune under
-//! `kiln launch` (two processes, ZeRO-3) writing PEFT adapters and a merged model, resumed;
-//! PEFT's numbers on the fixtures; bad input named.
+//! `kiln launch` (two processes, ZeRO-3) writing PEFT adapters and a merged model, resumed; a
+//! fine-tune over pipeline stages equal to one rank's; PEFT's numbers on the fixtures; bad input
+//! named.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -105,6 +106,86 @@ fn finetune_under_launch_writes_peft_adapters_and_a_merged_model() {
     assert!(text.contains("no steps to run"), "{text}");
 }
 
+/// The largest difference between two safetensors files' tensors (same names and shapes).
+fn max_difference(a: &Path, b: &Path) -> f32 {
+    let (a, b) = (
+        kiln_hf::SafetensorsFile::open(a, "kiln's output").unwrap(),
+        kiln_hf::SafetensorsFile::open(b, "kiln's output").unwrap(),
+    );
+    let mut names = a.names();
+    names.sort();
+    let mut theirs = b.names();
+    theirs.sort();
+    assert_eq!(names, theirs);
+    let mut worst = 0f32;
+    for name in names {
+        let (x, y) = (a.float(&name, None).unwrap(), b.float(&name, None).unwrap());
+        assert_eq!(x.shape, y.shape, "{name}");
+        let (x, y) = (x.into_vec::<f32>().unwrap(), y.into_vec::<f32>().unwrap());
+        for (p, q) in x.iter().zip(&y) {
+            worst = worst.max((p - q).abs());
+        }
+    }
+    worst
+}
+
+/// LoRA over pipeline stages: GPT-2 (its frozen embedding tied to the head, so on both stages)
+/// fine-tuned as pp 2 x dp 2 under ZeRO-3 (ranks as threads) writes the adapters and merged
+/// model one rank writes, after the same losses.
+#[test]
+fn a_pipelined_finetune_equals_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = |name: &str| tmp.path().join(name);
+    let base = fixture("tiny-gpt2").display().to_string();
+    let run = |name: &str, extra: &[&str]| {
+        let merged = path(&format!("{name}-merged")).display().to_string();
+        let mut args = finetune_args(&path(name), &["--lora-r", "2", "--merge-into", &merged]);
+        let at = args.iter().position(|a| a == "--base").unwrap();
+        args[at + 1] = base.clone();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let (ok, text) = kiln(&args);
+        assert!(ok, "{text}");
+        text
+    };
+    let one = run("one", &[]);
+    let pp = run(
+        "pp",
+        &[
+            "--ranks",
+            "4",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--strategy",
+            "zero3",
+        ],
+    );
+    for needle in [
+        "pipeline: 2 stages x 2 data-parallel ranks",
+        "pipeline bubble: ",
+        "1.5k trainable parameters (1.27% of the base's 120.6k)",
+    ] {
+        assert!(pp.contains(needle), "no '{needle}' in:\n{pp}");
+    }
+    let losses = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.contains("validation loss") || l.contains("training loss"))
+            .map(String::from)
+            .collect()
+    };
+    assert_eq!(losses(&pp), losses(&one), "{pp}");
+    let adapter = "adapter/adapter_model.safetensors";
+    let worst = max_difference(&path("one").join(adapter), &path("pp").join(adapter));
+    assert!(worst < 1e-6, "adapters differ by {worst}");
+    let merged = "model.safetensors";
+    let worst = max_difference(
+        &path("one-merged").join(merged),
+        &path("pp-merged").join(merged),
+    );
+    assert!(worst < 1e-6, "merged models differ by {worst}");
+}
+
 #[test]
 fn bad_finetune_input_is_named() {
     let tmp = tempfile::tempdir().unwrap();
@@ -119,6 +200,11 @@ fn bad_finetune_input_is_named() {
     assert!(text.contains("model.layers.0.self_attn.q_proj"), "{text}");
     let (ok, text) = kiln(&finetune_args(&out, &["--lora-r", "1000"]));
     assert!(!ok && text.contains("r = 1000 does not fit"), "{text}");
+    let (ok, text) = kiln(&finetune_args(
+        &out,
+        &["--qlora", "--ranks", "2", "--pp", "2"],
+    ));
+    assert!(!ok && text.contains("QLoRA is not pipelined"), "{text}");
     let missing = tmp.path().join("nowhere");
     let (ok, text) = kiln(&finetune_args(
         &out,

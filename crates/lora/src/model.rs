@@ -382,27 +382,25 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
                 (t.path.clone(), if detach { d.detach() } else { d })
             })
             .collect();
-        self.map_targets(base, dequantized, deltas, f)
+        self.map_targets(base, |_| dequantized, deltas, f)
     }
 
-    /// Maps each target weight `w` of `base` to `f(w, deltas[path])`, QLoRA placeholders
-    /// replaced by their dequantised weights first when `dequantized`.
+    /// Maps each target weight `w` of `base` to `f(w, deltas[path])`, the QLoRA placeholders
+    /// at the paths `dequantized` accepts replaced by their dequantised weights first.
     fn map_targets<T>(
         &self,
         base: M,
-        dequantized: bool,
+        dequantized: impl Fn(&str) -> bool,
         deltas: HashMap<String, T>,
         f: impl FnMut(Tensor<B, 2>, T) -> Tensor<B, 2>,
     ) -> M {
-        let weights = match dequantized {
-            true => self
-                .quantized_paths
-                .iter()
-                .zip(&self.quantized)
-                .map(|(p, q)| (p.clone(), q.dequantize()))
-                .collect(),
-            false => HashMap::new(),
-        };
+        let weights = self
+            .quantized_paths
+            .iter()
+            .zip(&self.quantized)
+            .filter(|(p, _)| dequantized(p))
+            .map(|(p, q)| (p.clone(), q.dequantize()))
+            .collect();
         base.map(&mut Apply {
             stack: Vec::new(),
             deltas,
@@ -547,14 +545,21 @@ impl<B: LowRankOps, M: Module<B>> Lora<B, M> {
     /// (`kiln_shard::lowrank`). Cheap: untouched parameters are shared, and under QLoRA each
     /// 4-bit weight is dequantised.
     pub fn merged(&self) -> M {
+        self.merged_where(|_| true)
+    }
+
+    /// [`merged`](Lora::merged) at the paths `keep` accepts only (targets and QLoRA weights);
+    /// the rest of the base as it is: a pipeline stage's units read only their own weights.
+    fn merged_where(&self, keep: impl Fn(&str) -> bool) -> M {
         let (s, p) = (self.scaling(), self.config.dropout);
         let factors = self
             .targets
             .iter()
             .zip(&self.adapters)
+            .filter(|(t, _)| keep(&t.path))
             .map(|(t, a)| (t.path.clone(), (a.a.val(), a.b.val())))
             .collect();
-        self.map_targets(self.base.clone(), true, factors, |w, (a, b)| {
+        self.map_targets(self.base.clone(), keep, factors, |w, (a, b)| {
             let weight = B::lora_weight(
                 w.into_primitive().tensor(),
                 a.into_primitive().tensor(),
@@ -577,5 +582,46 @@ impl<B: LowRankOps, M: Module<B> + kiln_hf::CausalLm<B>> kiln_hf::CausalLm<B> fo
     }
     fn max_seq_len(&self) -> Option<usize> {
         self.base.max_seq_len()
+    }
+}
+
+/// A model with adapters runs in its base's units (for pipeline stages): each unit reads the
+/// base's parameters under `base.`, the adapters of the targets among them (`adapters.i`) and
+/// their QLoRA weights (`quantized.j`), and runs on its own weights merged with their adapters.
+impl<B, M> kiln_hf::Staged<B> for Lora<B, M>
+where
+    B: LowRankOps,
+    M: Module<B> + burn::module::ModuleDisplay + kiln_hf::Staged<B>,
+{
+    fn units(&self) -> Vec<kiln_hf::Unit> {
+        self.base
+            .units()
+            .into_iter()
+            .map(|u| {
+                let base = u.params.iter().map(|p| format!("base.{p}"));
+                let adapters = (self.targets.iter().enumerate())
+                    .filter(|(_, t)| u.uses(&t.path))
+                    .map(|(i, _)| format!("adapters.{i}"));
+                let quantized = (self.quantized_paths.iter().enumerate())
+                    .filter(|(_, path)| u.uses(path))
+                    .map(|(j, _)| format!("quantized.{j}"));
+                let params = base.chain(adapters).chain(quantized).collect();
+                kiln_hf::Unit {
+                    name: u.name.clone(),
+                    params,
+                }
+            })
+            .collect()
+    }
+
+    fn forward_units(
+        &self,
+        units: std::ops::Range<usize>,
+        x: kiln_hf::Carry<B>,
+    ) -> kiln_hf::Carry<B> {
+        let all = self.base.units();
+        let ran = &all[units.clone()];
+        self.merged_where(|path| ran.iter().any(|u| u.uses(path)))
+            .forward_units(units, x)
     }
 }

@@ -607,7 +607,8 @@ impl Pipeline {
                     return;
                 };
                 let stages = &self.pipe.shared[index].stages;
-                if !stages.contains(&stage) {
+                // A frozen parameter (a LoRA base's tied embedding) has no gradient to sum.
+                if !stages.contains(&stage) || !param.val().is_require_grad() {
                     return;
                 }
                 let shape = param.val().shape();
@@ -672,10 +673,12 @@ impl Pipeline {
         let stage = self.stage();
         let mut mail = Mailbox::new(&*self.group);
         let mut error = None;
+        // A frozen parameter (a LoRA base's tied embedding) has the same values everywhere.
+        let frozen = frozen_paths(&model);
         let index_of = |path: &str| {
             self.shared
                 .iter()
-                .position(|s| s.path == path && s.stages.contains(&stage))
+                .position(|s| s.path == path && s.stages.contains(&stage) && !frozen.contains(path))
         };
         let mut owned = Vec::new();
         visit_params::<B, AB, M>(&model, |path, _, t| {
@@ -754,6 +757,33 @@ fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, usize)> {
     };
     model.visit(&mut sizes);
     sizes.out
+}
+
+/// The paths of the parameters that do not train.
+fn frozen_paths<B: AutodiffBackend, M: Module<B>>(model: &M) -> std::collections::HashSet<String> {
+    struct Frozen {
+        path: Vec<String>,
+        out: std::collections::HashSet<String>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Frozen {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !param.val().is_require_grad() {
+                self.out.insert(self.path.join("."));
+            }
+        }
+    }
+    let mut frozen = Frozen {
+        path: Vec::new(),
+        out: Default::default(),
+    };
+    model.visit(&mut frozen);
+    frozen.out
 }
 
 /// The same parameters as new autodiff leaves (no copy of their values).

@@ -55,9 +55,14 @@ fn write<M>(
     dtype: FloatDType,
 ) -> Result<PathBuf>
 where
-    M: Pretrained<Train<Flex>> + CausalLm<Train<Flex>> + AutodiffModule<Train<Flex>>,
+    M: Pretrained<Train<Flex>>
+        + CausalLm<Train<Flex>>
+        + AutodiffModule<Train<Flex>>
+        + kiln_hf::Staged<Train<Flex>>
+        + burn::module::ModuleDisplay,
     M::Config: Clone,
-    kiln_lora::Lora<Train<Flex>, M>: AutodiffModule<Train<Flex>>,
+    kiln_lora::Lora<Train<Flex>, M>:
+        AutodiffModule<Train<Flex>, InnerModule: kiln_hf::Staged<kiln_shard::Shard<Flex>>>,
 {
     let device = Default::default();
     let model = match lora {

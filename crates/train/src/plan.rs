@@ -9,8 +9,8 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::module::AutodiffModule;
 use burn::optim::Optimizer;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
-use kiln_comm::ProcessGroup;
+use burn::tensor::{Int, Tensor, TensorData};
+use kiln_comm::{BufMut, BufRef, ProcessGroup};
 use kiln_hf::{CausalLm, Pretrained, Staged, causal_lm_loss};
 use kiln_lora::Lora;
 use kiln_pipe::{Pipeline, PipelineConfig};
@@ -24,8 +24,10 @@ pub(crate) type TokenBatch<B> = (Tensor<Shard<B>, 2, Int>, Tensor<Shard<B>, 2, I
 
 /// How the module a run trains is made and what it leaves behind.
 pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
-    /// The trained module.
-    type Model: AutodiffModule<Train<B, C>> + CausalLm<Train<B, C>>;
+    /// The trained module: a chain of units, so that it can be cut into pipeline stages.
+    type Model: AutodiffModule<Train<B, C>, InnerModule: Staged<Shard<B>>>
+        + CausalLm<Train<B, C>>
+        + Staged<Train<B, C>>;
 
     /// The module before sharding, its parameters not loaded yet ([`start`](Plan::start) does).
     fn create(&self, recipe: &Recipe, device: &B::Device) -> Result<Self::Model>;
@@ -42,61 +44,6 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
         burn::module::Module::num_params(model)
     }
 
-    /// Cuts the model for this rank's pipeline stage (before sharding). Only whole models are
-    /// pipelined.
-    /// `world` (every rank of the job) agrees on measured unit costs, timed on micro-batches of
-    /// `microbatch` (rows, sequence) token ids, where the config asks for them.
-    fn pipeline(
-        &self,
-        _model: Self::Model,
-        _group: Arc<dyn ProcessGroup>,
-        _config: &PipelineConfig,
-        _world: &dyn ProcessGroup,
-        _microbatch: [usize; 2],
-    ) -> Result<(Pipeline, Self::Model)> {
-        fail!(
-            Recipe,
-            "LoRA fine-tuning is not pipelined: set parallel.pp = 1"
-        )
-    }
-
-    /// One pipelined step over this rank's rows `x`, `y` (cut into the pipeline's
-    /// micro-batches), through [`Pipeline::step`], with what the stage did.
-    #[allow(clippy::too_many_arguments)]
-    fn pipe_step<O: Optimizer<Self::Model, Train<B, C>>>(
-        &self,
-        _pipe: &Pipeline,
-        _model: Self::Model,
-        _optim: &mut O,
-        _lr: f64,
-        _config: &StepConfig,
-        _x: &Tensor<Train<B, C>, 2, Int>,
-        _y: &Tensor<Train<B, C>, 2, Int>,
-    ) -> (Self::Model, kiln_shard::StepStats, kiln_pipe::PipeStats) {
-        unreachable!("only whole models are pipelined (checked with the recipe)")
-    }
-
-    /// The summed loss of `batches` (inputs, targets) through the pipeline, forward only.
-    fn pipe_evaluate(
-        &self,
-        _pipe: &Pipeline,
-        _model: &Self::Model,
-        _batches: &[TokenBatch<B>],
-    ) -> Result<f64> {
-        unreachable!("only whole models are pipelined (checked with the recipe)")
-    }
-
-    /// The logits of the token after `window` through the pipeline (for sampling).
-    fn pipe_last_logits(
-        &self,
-        _pipe: &Pipeline,
-        _model: &Self::Model,
-        _window: &[i64],
-        _vocab: usize,
-    ) -> Result<Vec<f32>> {
-        unreachable!("only whole models are pipelined (checked with the recipe)")
-    }
-
     /// Writes what the run leaves besides snapshots (every rank calls it: reading a sharded
     /// parameter is collective; rank 0 writes). Returns what was written, and where.
     fn finish(
@@ -104,6 +51,7 @@ pub(crate) trait Plan<B: Backend, C: CheckpointStrategy> {
         model: &Self::Model,
         recipe: &Recipe,
         rank: usize,
+        pipe: Option<&Pipeline>,
     ) -> Result<Vec<(String, PathBuf)>>;
 }
 
@@ -124,76 +72,6 @@ where
     M::InnerModule: Staged<Shard<B>>,
 {
     type Model = M;
-
-    fn pipeline(
-        &self,
-        model: M,
-        group: Arc<dyn ProcessGroup>,
-        config: &PipelineConfig,
-        world: &dyn ProcessGroup,
-        microbatch: [usize; 2],
-    ) -> Result<(Pipeline, M)> {
-        let mut config = config.clone();
-        if config.split == kiln_pipe::Split::Measured {
-            let device = model.devices().into_iter().next().unwrap_or_default();
-            // Token values do not change the cost of any unit: zeros will do.
-            let tokens = Tensor::<Train<B, C>, 2, Int>::zeros(microbatch, &device);
-            let loss = |logits| causal_lm_loss(logits, tokens.clone());
-            config.split = kiln_pipe::Split::Costs(kiln_pipe::measure_costs(
-                &model,
-                tokens.clone(),
-                loss,
-                world,
-                3,
-            )?);
-        }
-        Ok(Pipeline::new(model, group, &config)?)
-    }
-
-    fn pipe_step<O: Optimizer<M, Train<B, C>>>(
-        &self,
-        pipe: &Pipeline,
-        model: M,
-        optim: &mut O,
-        lr: f64,
-        config: &StepConfig,
-        x: &Tensor<Train<B, C>, 2, Int>,
-        y: &Tensor<Train<B, C>, 2, Int>,
-    ) -> (M, kiln_shard::StepStats, kiln_pipe::PipeStats) {
-        let m = pipe.schedule().microbatches();
-        let [rows, seq] = x.dims();
-        let per = rows / m;
-        let cut = |t: &Tensor<Train<B, C>, 2, Int>, mb: usize| {
-            t.clone().slice([mb * per..(mb + 1) * per, 0..seq])
-        };
-        pipe.step(
-            model,
-            optim,
-            lr,
-            config,
-            |mb| cut(x, mb),
-            |logits, mb| causal_lm_loss(logits, cut(y, mb)).div_scalar(m as f64),
-        )
-    }
-
-    fn pipe_last_logits(
-        &self,
-        pipe: &Pipeline,
-        model: &M,
-        window: &[i64],
-        vocab: usize,
-    ) -> Result<Vec<f32>> {
-        Ok(pipe.last_logits(&model.valid(), window, vocab)?)
-    }
-
-    fn pipe_evaluate(&self, pipe: &Pipeline, model: &M, batches: &[TokenBatch<B>]) -> Result<f64> {
-        Ok(pipe.evaluate(
-            &model.valid(),
-            batches.len(),
-            |mb| batches[mb].0.clone(),
-            |logits, mb| causal_lm_loss(logits, batches[mb].1.clone()),
-        )?)
-    }
 
     fn create(&self, _: &Recipe, device: &B::Device) -> Result<M> {
         Ok(M::from_config(&self.config, device))
@@ -219,7 +97,13 @@ where
         None
     }
 
-    fn finish(&self, _: &M, _: &Recipe, _: usize) -> Result<Vec<(String, PathBuf)>> {
+    fn finish(
+        &self,
+        _: &M,
+        _: &Recipe,
+        _: usize,
+        _: Option<&Pipeline>,
+    ) -> Result<Vec<(String, PathBuf)>> {
         Ok(Vec::new())
     }
 }
@@ -235,8 +119,12 @@ impl<B, C, M, K> Plan<B, C> for Adapters<M, K>
 where
     B: Backend,
     C: CheckpointStrategy,
-    M: Pretrained<Train<B, C>, Config = K> + CausalLm<Train<B, C>> + AutodiffModule<Train<B, C>>,
-    Lora<Train<B, C>, M>: AutodiffModule<Train<B, C>>,
+    M: Pretrained<Train<B, C>, Config = K>
+        + CausalLm<Train<B, C>>
+        + AutodiffModule<Train<B, C>>
+        + Staged<Train<B, C>>
+        + burn::module::ModuleDisplay,
+    Lora<Train<B, C>, M>: AutodiffModule<Train<B, C>, InnerModule: Staged<Shard<B>>>,
 {
     type Model = Lora<Train<B, C>, M>;
 
@@ -315,18 +203,24 @@ where
         model: &Self::Model,
         recipe: &Recipe,
         rank: usize,
+        pipe: Option<&Pipeline>,
     ) -> Result<Vec<(String, PathBuf)>> {
         let base_dir = recipe.model.from.clone().unwrap_or_default();
         let mut written = Vec::new();
+        // A pipeline stage holds its units' tensors only (the others are empty placeholders).
+        let whole = |tensors| match pipe {
+            Some(pipe) => from_every_stage(tensors, pipe.group().as_ref()),
+            None => Ok(tensors),
+        };
         // PEFT's files: what `PeftModel.from_pretrained(base, dir)` loads.
         let adapter_dir = recipe.output.dir.join("adapter");
-        let tensors = model.adapter_tensors();
+        let tensors = whole(model.adapter_tensors())?;
         if rank == 0 {
             model.write_peft(&adapter_dir, &base_dir.display().to_string(), &tensors)?;
         }
         written.push(("adapters (PEFT)".to_string(), adapter_dir));
         if let Some(out) = &self.lora.merge_into {
-            let merged = kiln_hf::hf_tensors(&model.merge());
+            let merged = whole(kiln_hf::hf_tensors(&model.merge()))?;
             if rank == 0 {
                 std::fs::create_dir_all(out).io(|| format!("cannot create {}", out.display()))?;
                 // The base's other files (config, tokenizer, generation settings) go along.
@@ -348,4 +242,145 @@ where
         }
         Ok(written)
     }
+}
+
+/// Cuts `model` for this rank's pipeline stage (before sharding), `group` being the stage
+/// group; `world` (every rank of the job) agrees on measured unit costs, timed on micro-batches
+/// of `microbatch` (rows, sequence) token ids, where the config asks for them.
+pub(crate) fn pipeline<B, C, M>(
+    model: M,
+    group: Arc<dyn ProcessGroup>,
+    config: &PipelineConfig,
+    world: &dyn ProcessGroup,
+    microbatch: [usize; 2],
+) -> Result<(Pipeline, M)>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: Staged<Train<B, C>>,
+{
+    let mut config = config.clone();
+    if config.split == kiln_pipe::Split::Measured {
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        // Token values do not change the cost of any unit: zeros will do.
+        let tokens = Tensor::<Train<B, C>, 2, Int>::zeros(microbatch, &device);
+        let loss = |logits| causal_lm_loss(logits, tokens.clone());
+        config.split = kiln_pipe::Split::Costs(kiln_pipe::measure_costs(
+            &model,
+            tokens.clone(),
+            loss,
+            world,
+            3,
+        )?);
+    }
+    Ok(Pipeline::new(model, group, &config)?)
+}
+
+/// One pipelined step over this rank's rows `x`, `y` (cut into the pipeline's micro-batches),
+/// through [`Pipeline::step`], with what the stage did.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pipe_step<B, C, M, O>(
+    pipe: &Pipeline,
+    model: M,
+    optim: &mut O,
+    lr: f64,
+    config: &StepConfig,
+    x: &Tensor<Train<B, C>, 2, Int>,
+    y: &Tensor<Train<B, C>, 2, Int>,
+) -> (M, kiln_shard::StepStats, kiln_pipe::PipeStats)
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>> + Staged<Train<B, C>>,
+    O: Optimizer<M, Train<B, C>>,
+{
+    let m = pipe.schedule().microbatches();
+    let [rows, seq] = x.dims();
+    let per = rows / m;
+    let cut = |t: &Tensor<Train<B, C>, 2, Int>, mb: usize| {
+        t.clone().slice([mb * per..(mb + 1) * per, 0..seq])
+    };
+    pipe.step(
+        model,
+        optim,
+        lr,
+        config,
+        |mb| cut(x, mb),
+        |logits, mb| causal_lm_loss(logits, cut(y, mb)).div_scalar(m as f64),
+    )
+}
+
+/// The summed loss of `batches` (inputs, targets) through the pipeline, forward only.
+pub(crate) fn pipe_evaluate<B, C, M>(
+    pipe: &Pipeline,
+    model: &M,
+    batches: &[TokenBatch<B>],
+) -> Result<f64>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>, InnerModule: Staged<Shard<B>>>,
+{
+    Ok(pipe.evaluate(
+        &model.valid(),
+        batches.len(),
+        |mb| batches[mb].0.clone(),
+        |logits, mb| causal_lm_loss(logits, batches[mb].1.clone()),
+    )?)
+}
+
+/// The logits of the token after `window` through the pipeline (for sampling).
+pub(crate) fn pipe_last_logits<B, C, M>(
+    pipe: &Pipeline,
+    model: &M,
+    window: &[i64],
+    vocab: usize,
+) -> Result<Vec<f32>>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    M: AutodiffModule<Train<B, C>, InnerModule: Staged<Shard<B>>>,
+{
+    Ok(pipe.last_logits(&model.valid(), window, vocab)?)
+}
+
+/// Named tensors that each pipeline stage holds some of (the others' are empty placeholders),
+/// made whole on every stage: each from the first stage whose copy is not empty. A collective
+/// over the stage group `stages`; every stage passes the same names in the same order.
+fn from_every_stage(
+    tensors: Vec<(String, TensorData)>,
+    stages: &dyn ProcessGroup,
+) -> Result<Vec<(String, TensorData)>> {
+    let p = stages.world_size();
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, data) in tensors {
+        let mut sizes = vec![0i64; p];
+        let mine = [data.num_elements() as i64];
+        stages.all_gather(BufRef::I64(&mine), BufMut::I64(&mut sizes))?;
+        let Some(owner) = sizes.iter().position(|&n| n > 0) else {
+            out.push((name, data));
+            continue;
+        };
+        // The shape (at most 8 dimensions), then the values, from the owner.
+        let mut dims = [0i64; 8];
+        for (d, n) in dims.iter_mut().zip(data.shape.to_vec()) {
+            *d = n as i64;
+        }
+        stages.broadcast(BufMut::I64(&mut dims), owner)?;
+        let mut values = match stages.rank() == owner {
+            true => data
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("converted to f32"),
+            false => vec![0f32; sizes[owner] as usize],
+        };
+        stages.broadcast(BufMut::F32(&mut values), owner)?;
+        let shape: Vec<usize> = dims
+            .iter()
+            .take_while(|&&d| d > 0)
+            .map(|&d| d as usize)
+            .collect();
+        out.push((name, TensorData::new(values, shape)));
+    }
+    Ok(out)
 }

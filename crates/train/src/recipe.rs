@@ -602,10 +602,11 @@ impl Recipe {
                     self.train.batch_size
                 );
             }
-            if self.lora.is_some() {
+            if self.lora.as_ref().is_some_and(|l| l.qlora) {
                 fail!(
                     Recipe,
-                    "LoRA fine-tuning is not pipelined: set parallel.pp = 1"
+                    "QLoRA is not pipelined (its 4-bit weights are not cut into stages): set \
+                     parallel.pp = 1, or fine-tune without lora.qlora"
                 );
             }
         }

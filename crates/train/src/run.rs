@@ -259,10 +259,12 @@ where
     M: Pretrained<Train<B, C>>
         + CausalLm<Train<B, C>>
         + AutodiffModule<Train<B, C>>
-        + kiln_hf::Staged<Train<B, C>>,
+        + kiln_hf::Staged<Train<B, C>>
+        + burn::module::ModuleDisplay,
     M::InnerModule: CausalLm<Shard<B>> + kiln_hf::Staged<Shard<B>>,
     Lora<Train<B, C>, M>: AutodiffModule<Train<B, C>>,
-    <Lora<Train<B, C>, M> as AutodiffModule<Train<B, C>>>::InnerModule: CausalLm<Shard<B>>,
+    <Lora<Train<B, C>, M> as AutodiffModule<Train<B, C>>>::InnerModule:
+        CausalLm<Shard<B>> + kiln_hf::Staged<Shard<B>>,
 {
     let _model = PhantomData;
     match job.recipe.lora.clone() {
@@ -422,6 +424,8 @@ where
 
     let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len, tokenizer)?;
     let model = plan.create(recipe, device)?;
+    // Counted whole, before a pipeline stage drops the other stages' parameters.
+    let (params, trains) = (plan.params(&model), plan.describe(&model));
     let (pipe, model) = match &pp_group {
         Some(stages) => {
             let config = kiln_pipe::PipelineConfig {
@@ -431,7 +435,7 @@ where
                 split: recipe.split(),
             };
             let rows = t.batch_size / dp_world / recipe.parallel.microbatches.max(1);
-            let (pipe, model) = plan.pipeline(
+            let (pipe, model) = crate::plan::pipeline::<B, C, _>(
                 model,
                 stages.clone(),
                 &config,
@@ -501,8 +505,8 @@ where
     let last_step = options.stop_after.map_or(t.steps, |s| s.min(t.steps));
     report.report(Event::Started(&RunInfo {
         model_kind: spec.kind().into(),
-        params: plan.params(&model),
-        trains: plan.describe(&model),
+        params,
+        trains,
         pipeline: pipe.as_ref().map(|pipe| {
             format!(
                 "pipeline: {pp} stages x {dp_world} data-parallel ranks, {} micro-batches per \
@@ -565,8 +569,9 @@ where
                     .iter()
                     .map(|b| tensors::<Shard<B>>(b, device))
                     .collect();
-                let total =
-                    kiln_shard::autocast(precision, || plan.pipe_evaluate(pipe, model, &batches))?;
+                let total = kiln_shard::autocast(precision, || {
+                    crate::plan::pipe_evaluate::<B, C, _>(pipe, model, &batches)
+                })?;
                 Ok(Some(all_mean(
                     group.as_ref(),
                     total / t.eval_batches as f64,
@@ -580,7 +585,7 @@ where
     let sample = |model: &P::Model| {
         let logits = |window: &[i64]| {
             let pipe = pipe.as_ref().expect("pipelined");
-            plan.pipe_last_logits(pipe, model, window, vocab)
+            crate::plan::pipe_last_logits::<B, C, _>(pipe, model, window, vocab)
                 .unwrap_or_else(|e| panic!("kiln: sampling through the pipeline: {e}"))
         };
         let pipelined: Option<&NextLogits> = pipe.is_some().then_some(&logits);
@@ -627,7 +632,7 @@ where
         let (stepped, stats) = match &pipe {
             Some(pipe) => {
                 let (stepped, stats, stage) =
-                    plan.pipe_step(pipe, model, &mut optim, lr, &config, &x, &y);
+                    crate::plan::pipe_step(pipe, model, &mut optim, lr, &config, &x, &y);
                 // The run's first step allocates what the others reuse: not tallied.
                 if step > first_step + 1 {
                     tally.add(&stage);
@@ -731,7 +736,7 @@ where
 
     let sample = (t.sample_chars > 0 && last_step == t.steps).then(|| sample(&model));
     let outputs = if last_step == t.steps {
-        plan.finish(&model, recipe, rank)?
+        plan.finish(&model, recipe, rank, pipe.as_ref())?
     } else {
         Vec::new()
     };
