@@ -1,6 +1,6 @@
 //! `kiln finetune` and `kiln verify-lora` as a user runs them: a short QLoRA fine-tune under
-//! `kiln launch` (two processes, ZeRO-3) writing PEFT adapters and a merged model, resumed; a
-//! fine-tune over pipeline stages equal to one rank's; PEFT's numbers on the fixtures; bad input
+//! `kiln launch` (two processes, ZeRO-3) writing PEFT adapters and a merged model, resumed;
+//! LoRA and QLoRA fine-tunes over pipeline stages equal to one rank's; PEFT's numbers on the fixtures; bad input
 //! named.
 
 use std::path::{Path, PathBuf};
@@ -130,60 +130,84 @@ fn max_difference(a: &Path, b: &Path) -> f32 {
 }
 
 /// LoRA over pipeline stages: GPT-2 (its frozen embedding tied to the head, so on both stages)
-/// fine-tuned as pp 2 x dp 2 under ZeRO-3 (ranks as threads) writes the adapters and merged
-/// model one rank writes, after the same losses.
+/// fine-tuned as pp 2 x dp 2 under ZeRO-3 (ranks as threads), and QLoRA on Llama as pp 2 (each
+/// stage holds its units' 4-bit weights), write the adapters and merged model one rank
+/// writes, after the same losses.
 #[test]
 fn a_pipelined_finetune_equals_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let path = |name: &str| tmp.path().join(name);
-    let base = fixture("tiny-gpt2").display().to_string();
-    let run = |name: &str, extra: &[&str]| {
-        let merged = path(&format!("{name}-merged")).display().to_string();
-        let mut args = finetune_args(&path(name), &["--lora-r", "2", "--merge-into", &merged]);
-        let at = args.iter().position(|a| a == "--base").unwrap();
-        args[at + 1] = base.clone();
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let (ok, text) = kiln(&args);
-        assert!(ok, "{text}");
-        text
-    };
-    let one = run("one", &[]);
-    let pp = run(
-        "pp",
-        &[
-            "--ranks",
-            "4",
-            "--pp",
-            "2",
-            "--microbatches",
-            "2",
-            "--strategy",
-            "zero3",
-        ],
-    );
-    for needle in [
-        "pipeline: 2 stages x 2 data-parallel ranks",
-        "pipeline bubble: ",
-        "1.5k trainable parameters (1.27% of the base's 120.6k)",
+    let pp_zero3 = [
+        "--ranks",
+        "4",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--strategy",
+        "zero3",
+    ];
+    let pp = [
+        "--ranks",
+        "2",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        "--qlora",
+    ];
+    for (base, what, pipelined, trainable) in [
+        (
+            "tiny-gpt2",
+            "lora",
+            &pp_zero3[..],
+            "1.5k trainable parameters (1.27% of the base's 120.6k)",
+        ),
+        (
+            "tiny-llama",
+            "qlora",
+            &pp[..],
+            "QLoRA: 14 linear weights in NF4",
+        ),
     ] {
-        assert!(pp.contains(needle), "no '{needle}' in:\n{pp}");
+        let base = fixture(base).display().to_string();
+        let qlora = what == "qlora";
+        let run = |name: &str, extra: &[&str]| {
+            let merged = path(&format!("{name}-merged")).display().to_string();
+            let mut args = finetune_args(&path(name), &["--lora-r", "2", "--merge-into", &merged]);
+            let at = args.iter().position(|a| a == "--base").unwrap();
+            args[at + 1] = base.clone();
+            if qlora && extra.is_empty() {
+                args.push("--qlora".into());
+            }
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let (ok, text) = kiln(&args);
+            assert!(ok, "{text}");
+            text
+        };
+        let (one, pp) = (format!("{what}-one"), format!("{what}-pp"));
+        let one_text = run(&one, &[]);
+        let pp_text = run(&pp, pipelined);
+        for needle in ["pipeline: 2 stages x ", "pipeline bubble: ", trainable] {
+            assert!(pp_text.contains(needle), "no '{needle}' in:\n{pp_text}");
+        }
+        let losses = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|l| l.contains("validation loss") || l.contains("training loss"))
+                .map(String::from)
+                .collect()
+        };
+        assert_eq!(losses(&pp_text), losses(&one_text), "{what}: {pp_text}");
+        let adapter = |run: &str| path(run).join("adapter/adapter_model.safetensors");
+        let merged = |run: &str| path(&format!("{run}-merged")).join("model.safetensors");
+        for (file, of) in [
+            ("adapters", &adapter as &dyn Fn(&str) -> _),
+            ("merged model", &merged),
+        ] {
+            let worst = max_difference(&of(&one), &of(&pp));
+            assert!(worst < 1e-6, "{what}: the {file} differ by {worst}");
+        }
     }
-    let losses = |text: &str| -> Vec<String> {
-        text.lines()
-            .filter(|l| l.contains("validation loss") || l.contains("training loss"))
-            .map(String::from)
-            .collect()
-    };
-    assert_eq!(losses(&pp), losses(&one), "{pp}");
-    let adapter = "adapter/adapter_model.safetensors";
-    let worst = max_difference(&path("one").join(adapter), &path("pp").join(adapter));
-    assert!(worst < 1e-6, "adapters differ by {worst}");
-    let merged = "model.safetensors";
-    let worst = max_difference(
-        &path("one-merged").join(merged),
-        &path("pp-merged").join(merged),
-    );
-    assert!(worst < 1e-6, "merged models differ by {worst}");
 }
 
 #[test]
@@ -200,11 +224,6 @@ fn bad_finetune_input_is_named() {
     assert!(text.contains("model.layers.0.self_attn.q_proj"), "{text}");
     let (ok, text) = kiln(&finetune_args(&out, &["--lora-r", "1000"]));
     assert!(!ok && text.contains("r = 1000 does not fit"), "{text}");
-    let (ok, text) = kiln(&finetune_args(
-        &out,
-        &["--qlora", "--ranks", "2", "--pp", "2"],
-    ));
-    assert!(!ok && text.contains("QLoRA is not pipelined"), "{text}");
     let missing = tmp.path().join("nowhere");
     let (ok, text) = kiln(&finetune_args(
         &out,

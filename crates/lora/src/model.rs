@@ -398,7 +398,8 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             .quantized_paths
             .iter()
             .zip(&self.quantized)
-            .filter(|(p, _)| dequantized(p))
+            // Another pipeline stage's weight is an empty placeholder here.
+            .filter(|(p, q)| dequantized(p) && !q.is_placeholder())
             .map(|(p, q)| (p.clone(), q.dequantize()))
             .collect();
         base.map(&mut Apply {
@@ -500,6 +501,11 @@ impl<B: Backend, M: Module<B>> Lora<B, M> {
             kiln_hf::load_weights_named(self.base, file, self.naming, |path| !skip.contains(path))?;
         let mut quantized = Vec::with_capacity(self.quantized.len());
         for (path, q) in self.quantized_paths.iter().zip(&self.quantized) {
+            // Another pipeline stage's weight: nothing of the file goes here.
+            if q.is_placeholder() {
+                quantized.push(q.clone());
+                continue;
+            }
             let name = (self.naming)(path);
             let [fan_in, fan_out] = q.dims;
             // Quantised in nn.Linear's [out, in]: the file's layout, or its transpose for a

@@ -275,6 +275,11 @@ impl<B: Backend> Nf4Weight<B> {
         }
     }
 
+    /// Whether this is an empty placeholder (another pipeline stage holds the weight).
+    pub fn is_placeholder(&self) -> bool {
+        self.codes.shape().num_elements() == 0
+    }
+
     /// The weight in Burn's layout `[in, out]`, in the default float dtype: two lookups and two
     /// multiplies, nothing kept (a constant for autodiff).
     pub fn dequantize(&self) -> Tensor<B, 2> {

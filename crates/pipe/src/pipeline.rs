@@ -732,7 +732,7 @@ fn values_of<B: Backend>(t: Tensor<B, 3>) -> (Vec<usize>, Vec<f32>) {
     (dims, values)
 }
 
-/// Every float parameter's path and element count, in module order (lazy parameters are not
+/// Every parameter's path and element count, in module order (lazy parameters are not
 /// initialised: their shape is known).
 fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, usize)> {
     struct Sizes {
@@ -747,6 +747,12 @@ fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, usize)> {
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.out
+                .push((self.path.join("."), param.shape().num_elements()));
+        }
+        // Integer parameters (QLoRA's 4-bit codes, two to a byte) are placed like float ones
+        // and count by their elements.
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<B, D, Int>>) {
             self.out
                 .push((self.path.join("."), param.shape().num_elements()));
         }
@@ -821,6 +827,18 @@ impl<B: Backend> ModuleMapper<B> for Drop<'_> {
         let device = param.lazy_device();
         let (id, _, mapper) = param.consume();
         let empty = Tensor::<B, D>::zeros(Shape::new([0; D]), &device);
+        Param::from_mapped_value(id, empty, mapper)
+    }
+    fn map_int<const D: usize>(
+        &mut self,
+        param: Param<Tensor<B, D, Int>>,
+    ) -> Param<Tensor<B, D, Int>> {
+        if (self.keep)(&self.path.join(".")) {
+            return param;
+        }
+        let device = param.lazy_device();
+        let (id, _, mapper) = param.consume();
+        let empty = Tensor::<B, D, Int>::zeros(Shape::new([0; D]), &device);
         Param::from_mapped_value(id, empty, mapper)
     }
 }

@@ -602,13 +602,6 @@ impl Recipe {
                     self.train.batch_size
                 );
             }
-            if self.lora.as_ref().is_some_and(|l| l.qlora) {
-                fail!(
-                    Recipe,
-                    "QLoRA is not pipelined (its 4-bit weights are not cut into stages): set \
-                     parallel.pp = 1, or fine-tune without lora.qlora"
-                );
-            }
         }
         if let kiln_shard::Strategy::Hybrid { shard_size } = self.strategy()?
             && (shard_size == 0 || !dp.is_multiple_of(shard_size))
