@@ -147,40 +147,30 @@ fn a_pipelined_finetune_equals_one_rank() {
         "--strategy",
         "zero3",
     ];
-    let pp = [
-        "--ranks",
-        "2",
-        "--pp",
-        "2",
-        "--microbatches",
-        "2",
-        "--qlora",
-    ];
-    for (base, what, pipelined, trainable) in [
+    let pp = ["--ranks", "2", "--pp", "2", "--microbatches", "2"];
+    for (base, what, adapters, pipelined, trainable) in [
         (
             "tiny-gpt2",
             "lora",
+            &[][..],
             &pp_zero3[..],
             "1.5k trainable parameters (1.27% of the base's 120.6k)",
         ),
         (
             "tiny-llama",
             "qlora",
+            &["--qlora"][..],
             &pp[..],
             "QLoRA: 14 linear weights in NF4",
         ),
     ] {
         let base = fixture(base).display().to_string();
-        let qlora = what == "qlora";
         let run = |name: &str, extra: &[&str]| {
             let merged = path(&format!("{name}-merged")).display().to_string();
             let mut args = finetune_args(&path(name), &["--lora-r", "2", "--merge-into", &merged]);
             let at = args.iter().position(|a| a == "--base").unwrap();
             args[at + 1] = base.clone();
-            if qlora && extra.is_empty() {
-                args.push("--qlora".into());
-            }
-            args.extend(extra.iter().map(|s| s.to_string()));
+            args.extend(adapters.iter().chain(extra).map(|s| s.to_string()));
             let (ok, text) = kiln(&args);
             assert!(ok, "{text}");
             text

@@ -37,7 +37,7 @@ impl Tally {
         if self.rows.len() == Self::KEPT {
             self.rows.pop_front();
         }
-        let times = [step.compute, step.waiting, step.wall];
+        let times = [step.compute(), step.waiting, step.wall];
         let passes = step.passes.iter().map(|(_, d)| d);
         self.rows.push_back(
             times
@@ -227,7 +227,6 @@ mod tests {
                 })
                 .collect();
             let step = PipeStats {
-                compute: passes.iter().map(|p| p.1).sum(),
                 waiting: ms([9.0, 1.0][stage]),
                 wall: ms([21.0, 19.0][stage]),
                 sent: 0,

@@ -31,8 +31,6 @@ pub struct PipelineConfig {
 /// What one stage did in a step.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PipeStats {
-    /// Time in forward and backward passes.
-    pub compute: Duration,
     /// Time waiting for a neighbour's activation or gradient.
     pub waiting: Duration,
     /// The schedule's whole time on this stage (from its first pass to its last).
@@ -45,9 +43,14 @@ pub struct PipeStats {
 }
 
 impl PipeStats {
+    /// Time in forward and backward passes.
+    pub fn compute(&self) -> Duration {
+        self.passes.iter().map(|(_, d)| *d).sum()
+    }
+
     /// This stage's idle share of the schedule: `1 - compute / wall`.
     pub fn bubble(&self) -> f64 {
-        1.0 - self.compute.as_secs_f64() / self.wall.as_secs_f64().max(f64::MIN_POSITIVE)
+        1.0 - self.compute().as_secs_f64() / self.wall.as_secs_f64().max(f64::MIN_POSITIVE)
     }
 }
 
@@ -271,7 +274,7 @@ impl Pipeline {
     {
         // Backends whose ranks are threads of this process.
         let threads = matches!(self.group.backend(), "local" | "rendezvous");
-        if !threads || self.group.world_size() == 1 {
+        if !threads || self.group.world_size() == 1 || SHARDED_STAGE_THREADS {
             return Ok(());
         }
         let mut sharded = None;
@@ -464,7 +467,6 @@ impl Pipeline {
             }
         }
         stats.wall = start.elapsed();
-        stats.compute = stats.passes.iter().map(|(_, d)| *d).sum();
         let mut grads = acc.grads();
         self.sum_shared_grads::<B, AB, M>(model, &mut grads, &mut mail)?;
         stats.waiting = mail.waited;
@@ -674,11 +676,11 @@ impl Pipeline {
         let mut mail = Mailbox::new(&*self.group);
         let mut error = None;
         // A frozen parameter (a LoRA base's tied embedding) has the same values everywhere.
-        let frozen = frozen_paths(&model);
+        let trainable = kiln_shard::pieces::trainable_paths::<AB, M>(&model);
         let index_of = |path: &str| {
-            self.shared
-                .iter()
-                .position(|s| s.path == path && s.stages.contains(&stage) && !frozen.contains(path))
+            self.shared.iter().position(|s| {
+                s.path == path && s.stages.contains(&stage) && trainable.contains(path)
+            })
         };
         let mut owned = Vec::new();
         visit_params::<B, AB, M>(&model, |path, _, t| {
@@ -763,33 +765,6 @@ fn param_sizes<B: Backend, M: Module<B>>(model: &M) -> Vec<(String, usize)> {
     };
     model.visit(&mut sizes);
     sizes.out
-}
-
-/// The paths of the parameters that do not train.
-fn frozen_paths<B: AutodiffBackend, M: Module<B>>(model: &M) -> std::collections::HashSet<String> {
-    struct Frozen {
-        path: Vec<String>,
-        out: std::collections::HashSet<String>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Frozen {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if !param.val().is_require_grad() {
-                self.out.insert(self.path.join("."));
-            }
-        }
-    }
-    let mut frozen = Frozen {
-        path: Vec::new(),
-        out: Default::default(),
-    };
-    model.visit(&mut frozen);
-    frozen.out
 }
 
 /// The same parameters as new autodiff leaves (no copy of their values).

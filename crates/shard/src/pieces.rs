@@ -126,6 +126,36 @@ impl Path {
     }
 }
 
+/// The module paths of the float parameters that train (`require_grad`): a LoRA base's are
+/// frozen.
+pub fn trainable_paths<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+) -> std::collections::HashSet<String> {
+    struct Find {
+        path: Path,
+        found: std::collections::HashSet<String>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Find {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if param.val().is_require_grad() {
+                self.found.insert(self.path.join());
+            }
+        }
+    }
+    let mut find = Find {
+        path: Path::default(),
+        found: Default::default(),
+    };
+    module.visit(&mut find);
+    find.found
+}
+
 /// Calls `f(path, id, tensor)` for every float parameter, in the module's order, with its
 /// module path (`blocks.0.attn.weight`).
 pub fn visit_params<B, AB, M>(module: &M, f: impl FnMut(&str, ParamId, &ShardTensor<B>))

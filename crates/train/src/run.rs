@@ -951,7 +951,7 @@ where
     let (world, rank) = (dp.world_size(), dp.rank());
     let mut parts = Vec::new();
     // Frozen parameters (a LoRA base) never change: the snapshot holds what trains.
-    let trainable = trainable_paths::<B, C, M>(model);
+    let trainable = pieces::trainable_paths::<Train<B, C>, M>(model);
     let other_stage = |path: &str, t: &ShardTensor<B>| {
         t.shape().num_elements() == 0 || pipe.is_some_and(|p| p.holds_copy(path))
     };
@@ -1011,38 +1011,6 @@ impl<B: Backend, C: CheckpointStrategy> ModuleVisitor<Train<B, C>> for Optimizer
     }
 }
 
-/// The module paths of the parameters that train (`require_grad`).
-fn trainable_paths<B, C, M>(model: &M) -> std::collections::HashSet<String>
-where
-    B: Backend,
-    C: CheckpointStrategy,
-    M: AutodiffModule<Train<B, C>>,
-{
-    struct Find {
-        path: Vec<String>,
-        found: std::collections::HashSet<String>,
-    }
-    impl<AB: burn::tensor::backend::AutodiffBackend> ModuleVisitor<AB> for Find {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-            if param.val().is_require_grad() {
-                self.found.insert(self.path.join("."));
-            }
-        }
-    }
-    let mut find = Find {
-        path: Vec::new(),
-        found: Default::default(),
-    };
-    model.visit(&mut find);
-    find.found
-}
-
 pub(crate) fn load_params<B, C, M>(model: M, snap: &Snapshot) -> Result<M>
 where
     B: Backend,
@@ -1050,7 +1018,7 @@ where
     M: AutodiffModule<Train<B, C>>,
 {
     let mut error = None;
-    let trainable = trainable_paths::<B, C, M>(&model);
+    let trainable = pieces::trainable_paths::<Train<B, C>, M>(&model);
     let model = pieces::map_params::<B, Train<B, C>, M>(model, |path, t| {
         if !trainable.contains(path) || t.shape().num_elements() == 0 {
             // Frozen: loaded from the base, as at the start. Empty: another pipeline stage's.
