@@ -13,6 +13,11 @@
  *   stream has passed the record.
  * - Device memory is a registry of allocations: nccl.c refuses a pointer outside them (a host
  *   buffer handed to NCCL), and cuMemAlloc(0) is CUDA_ERROR_INVALID_VALUE, as on a GPU.
+ *   Memory pools are supported (as on the GPUs kiln targets): cudarc then frees in stream
+ *   order (cuMemFreeAsync) instead of synchronising the stream first; KILN_CUDA_EMU_NO_POOLS
+ *   makes a GPU without them.
+ * - Copies from and to pageable host memory follow CUDA's documented rules (see
+ *   cuMemcpyHtoDAsync_v2 below).
  * - Devices: as many as CUDA_VISIBLE_DEVICES lists, else KILN_CUDA_EMU_DEVICES (default 8).
  *   A device's identity (its bus id, which NCCL compares to refuse two ranks on one GPU) is the
  *   CUDA_VISIBLE_DEVICES entry at its ordinal, or the ordinal.
@@ -142,8 +147,8 @@ EMU_EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev
   (void)device;
   if (!value) return CUDA_ERROR_INVALID_VALUE;
   switch (attribute) {
-    case 115: /* CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: allocate synchronously */
-      *value = 0;
+    case 115: /* CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, as on the GPUs kiln targets */
+      *value = getenv("KILN_CUDA_EMU_NO_POOLS") ? 0 : 1;
       break;
     default:
       *value = 0;
@@ -441,6 +446,24 @@ EMU_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t
 EMU_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
   CUresult r = cuMemsetD8Async(dst, value, n, NULL);
   return r ? r : cuStreamSynchronize(NULL);
+}
+
+/* ---- stream-ordered allocation (memory pools) ---- */
+
+/* Allocated at once (a pool hands out memory before the stream gets there, too); freed when
+ * the stream reaches the free, so that a free never waits for the stream. */
+EMU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, void *stream) {
+  (void)stream;
+  return cuMemAlloc_v2(dptr, bytes);
+}
+
+static void run_free(void *arg) { cuMemFree_v2((CUdeviceptr)(uintptr_t)arg); }
+
+EMU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, void *stream) {
+  if (!dptr) return CUDA_SUCCESS;
+  if (!kiln_emu_is_device(DEV(dptr), 1)) return CUDA_ERROR_INVALID_VALUE;
+  kiln_emu_enqueue(stream, run_free, DEV(dptr));
+  return CUDA_SUCCESS;
 }
 
 /* ---- events ---- */

@@ -54,6 +54,7 @@ use half::{bf16, f16};
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,11 +63,11 @@ use std::time::{Duration, Instant};
 /// libraries are refused up front.
 const MIN_NCCL_VERSION: c_int = 21400;
 
-/// A raw NCCL communicator, aborted on drop.
+/// A raw NCCL communicator, aborted on drop or by [`RawComm::abort`], once.
 ///
 /// `ncclCommAbort`, not `ncclCommFinalize` + `ncclCommDestroy`: finalising waits for peers and
 /// would hang on a dead one; abort frees the resources without waiting.
-struct RawComm(ns::ncclComm_t);
+struct RawComm(ns::ncclComm_t, AtomicBool);
 
 // SAFETY: NCCL allows a communicator to be used from any thread as long as calls are
 // serialised; every use goes through `NcclGroup::state`'s mutex.
@@ -74,9 +75,7 @@ unsafe impl Send for RawComm {}
 
 impl Drop for RawComm {
     fn drop(&mut self) {
-        // SAFETY: the handle came from a successful (possibly still in-progress) init and is
-        // dropped once; abort is valid in any state. Its status is of no use while dropping.
-        let _ = unsafe { ns::ncclCommAbort(self.0) };
+        self.abort();
     }
 }
 
@@ -135,6 +134,21 @@ fn nonblocking_config() -> ns::ncclConfig_t {
 }
 
 impl RawComm {
+    fn new(comm: ns::ncclComm_t) -> Self {
+        RawComm(comm, AtomicBool::new(false))
+    }
+
+    /// Aborts the communicator (the first call only): its operations stuck on a lost peer end,
+    /// so that the stream can be waited for again (freeing a buffer may wait for it). Nothing
+    /// may be asked of the communicator after this, not even its last error.
+    fn abort(&self) {
+        if !self.1.swap(true, Ordering::SeqCst) {
+            // SAFETY: the handle came from a successful (possibly still in-progress) init and
+            // is aborted once; abort is valid in any state. Its status is of no use here.
+            let _ = unsafe { ns::ncclCommAbort(self.0) };
+        }
+    }
+
     /// Creates rank `rank` of a `world`-rank communicator, non-blocking, and waits until it is
     /// ready or `deadline` passes (then it is aborted: the caller gets an error, not a hang).
     fn init(id: ns::ncclUniqueId, rank: usize, world: usize, deadline: Instant) -> Result<Self> {
@@ -150,7 +164,7 @@ impl RawComm {
                 describe(r, None)
             )));
         }
-        let comm = RawComm(comm);
+        let comm = RawComm::new(comm);
         match r {
             ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress => {}
             e => {
@@ -172,6 +186,21 @@ impl RawComm {
             )),
         })?;
         Ok(comm)
+    }
+
+    /// The communicator's asynchronous error, if NCCL has reported one (not while an
+    /// operation is merely in progress).
+    fn async_error(&self) -> Option<String> {
+        let mut state = ns::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator and a valid out-pointer.
+        let r = unsafe { ns::ncclCommGetAsyncError(self.0, &mut state) };
+        if r != ns::ncclResult_t::ncclSuccess {
+            return Some(describe(r, Some(self.0)));
+        }
+        match state {
+            ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress => None,
+            e => Some(describe(e, Some(self.0))),
+        }
     }
 
     /// Polls `ncclCommGetAsyncError` until the communicator's pending operation (init, or an
@@ -391,19 +420,28 @@ impl Live<'_> {
         }
     }
 
+    /// `err`, after aborting the communicator: the caller is about to drop device buffers,
+    /// and on a GPU without memory pools cudarc frees them by synchronising the stream, which
+    /// an operation stuck on a lost peer would block forever. The group is poisoned after any
+    /// error anyway ([`NcclGroup::run`]).
+    fn fail(&self, err: CommError) -> CommError {
+        self.comm.abort();
+        err
+    }
+
     /// Checks an NCCL call's status. A non-blocking communicator may answer `ncclInProgress`;
     /// it must then be polled ready before the next call.
     fn check(&self, what: &str, r: ns::ncclResult_t) -> Result<()> {
         match r {
             ns::ncclResult_t::ncclSuccess => Ok(()),
-            ns::ncclResult_t::ncclInProgress => {
-                self.comm.ready(self.deadline).map_err(|e| match e {
+            ns::ncclResult_t::ncclInProgress => self.comm.ready(self.deadline).map_err(|e| {
+                self.fail(match e {
                     NotReady::TimedOut => self.timeout_err(),
                     NotReady::Failed(why) => {
                         CommError::Nccl(format!("{}: {what}: {why}", self.ctx))
                     }
                 })
-            }
+            }),
             e => Err(CommError::Nccl(format!(
                 "{}: {what}: {}",
                 self.ctx,
@@ -464,7 +502,10 @@ impl Live<'_> {
         self.complete()
     }
 
-    /// Waits for the stream's work, polling so that a dead peer is a timeout, not a hang.
+    /// Waits for the stream's work, polling so that a dead peer is an error, not a hang: the
+    /// communicator's asynchronous error as soon as NCCL reports one (a peer whose
+    /// connection dropped: `ncclRemoteError`), as PyTorch's NCCL watchdog does; else a timeout
+    /// (NCCL does not notice every death, e.g. a peer on the same node gone mid-transfer).
     fn complete(&self) -> Result<()> {
         let event = self
             .stream
@@ -474,12 +515,17 @@ impl Live<'_> {
         loop {
             match event.try_is_complete() {
                 Ok(true) => return Ok(()),
-                Ok(false) if Instant::now() >= self.deadline => return Err(self.timeout_err()),
+                Ok(false) if Instant::now() >= self.deadline => {
+                    return Err(self.fail(self.timeout_err()));
+                }
                 Ok(false) => {
+                    if let Some(why) = self.comm.async_error() {
+                        return Err(self.fail(CommError::Nccl(format!("{}: {why}", self.ctx))));
+                    }
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(Duration::from_micros(200));
                 }
-                Err(e) => return Err(nccl_err(&self.ctx.to_string(), e)),
+                Err(e) => return Err(self.fail(nccl_err(&self.ctx.to_string(), e))),
             }
         }
     }
