@@ -5,7 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::text;
+use common::{assert_shard_check_passed, run_ok, shard_check_args, text};
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
@@ -394,25 +394,19 @@ fn a_port_in_use_is_named() {
 #[test]
 fn shard_check_over_processes() {
     for (strategy, n) in [
-        ("ddp", "2"),
-        ("zero1", "2"),
-        ("zero2", "3"),
-        ("zero3", "3"),
-        ("hybrid:2", "4"),
+        ("ddp", 2),
+        ("zero1", 2),
+        ("zero2", 3),
+        ("zero3", 3),
+        ("hybrid:2", 4),
     ] {
-        let out = Command::new(KILN)
-            .args(["launch", "--nproc-per-node", n, "--master-port", "0", "--"])
-            .args([KILN, "shard-check", "--strategy", strategy, "--steps", "20"])
-            .args(["--init", "burn"])
-            .output()
-            .unwrap();
-        let t = text(&out);
-        assert!(out.status.success(), "{t}");
-        let shown = strategy.replace("hybrid:2", "hybrid(shard 2)");
-        assert!(
-            t.contains(&format!("[rank 0] rank 0 of {n}: {shown}, 20 steps")),
-            "{t}"
-        );
-        assert!(!t.contains("FAIL"), "{t}");
+        let t = run_ok({
+            let mut c = Command::new(KILN);
+            c.args(["launch", "--nproc-per-node", &n.to_string()])
+                .args(["--master-port", "0", "--", KILN])
+                .args(shard_check_args("tcp", strategy));
+            c
+        });
+        assert_shard_check_passed(&t, strategy, n);
     }
 }

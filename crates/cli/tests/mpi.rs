@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::{TINY, run_ok, text, val_loss};
+use common::{TINY, assert_shard_check_passed, run_ok, shard_check_args, text, val_loss};
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
@@ -123,8 +123,6 @@ fn training_under_mpirun_equals_one_machine() {
 
 #[test]
 fn every_strategy_equals_one_device_under_mpirun() {
-    // `kiln shard-check`: 20 AdamW steps of a strategy over the job against one device, from
-    // rank-seeded random weights (which sharding must make rank 0's), losses and parameters.
     for (strategy, n) in [
         ("ddp", 2),
         ("zero1", 2),
@@ -134,23 +132,8 @@ fn every_strategy_equals_one_device_under_mpirun() {
         ("hybrid:2", 4),
     ] {
         let mut c = mpirun(n);
-        c.args([
-            "shard-check",
-            "--backend",
-            "mpi",
-            "--strategy",
-            strategy,
-            "--steps",
-            "20",
-        ])
-        .args(["--init", "burn"]);
-        let t = run_ok(c);
-        let shown = strategy.replace("hybrid:2", "hybrid(shard 2)");
-        assert!(
-            t.contains(&format!("rank 0 of {n}: {shown}, 20 steps")),
-            "{t}"
-        );
-        assert!(!t.contains("FAIL"), "{t}");
+        c.args(shard_check_args("mpi", strategy));
+        assert_shard_check_passed(&run_ok(c), strategy, n);
     }
 }
 

@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{TINY, run_ok, text, val_loss};
+use common::{TINY, assert_shard_check_passed, run_ok, shard_check_args, text, val_loss};
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
@@ -112,26 +112,8 @@ fn every_strategy_equals_one_device_on_emulated_nccl() {
         ("zero3", 2),
         ("hybrid:2", 4),
     ] {
-        let t = run_ok(launch(
-            n,
-            &[
-                "shard-check",
-                "--backend",
-                "nccl",
-                "--strategy",
-                strategy,
-                "--steps",
-                "20",
-                "--init",
-                "burn",
-            ],
-        ));
-        let shown = strategy.replace("hybrid:2", "hybrid(shard 2)");
-        assert!(
-            t.contains(&format!("rank 0 of {n}: {shown}, 20 steps")),
-            "{t}"
-        );
-        assert!(!t.contains("FAIL"), "{t}");
+        let t = run_ok(launch(n, &shard_check_args("nccl", strategy)));
+        assert_shard_check_passed(&t, strategy, n);
     }
 }
 

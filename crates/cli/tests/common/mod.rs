@@ -90,3 +90,31 @@ pub fn children(pid: u32) -> Vec<i32> {
         })
         .collect()
 }
+
+/// `kiln shard-check`'s arguments: 20 AdamW steps of `strategy` over the job's `backend`
+/// against one device, from rank-seeded random weights (which sharding must make rank 0's).
+#[allow(dead_code)]
+pub fn shard_check_args<'a>(backend: &'a str, strategy: &'a str) -> [&'a str; 9] {
+    [
+        "shard-check",
+        "--backend",
+        backend,
+        "--strategy",
+        strategy,
+        "--steps",
+        "20",
+        "--init",
+        "burn",
+    ]
+}
+
+/// Asserts that a shard-check job of `n` ranks reported `strategy` equal to one device.
+#[allow(dead_code)]
+pub fn assert_shard_check_passed(out: &str, strategy: &str, n: usize) {
+    let shown = strategy.replace("hybrid:2", "hybrid(shard 2)");
+    assert!(
+        out.contains(&format!("rank 0 of {n}: {shown}, 20 steps")),
+        "{out}"
+    );
+    assert!(!out.contains("FAIL"), "{out}");
+}
