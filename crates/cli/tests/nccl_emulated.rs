@@ -3,10 +3,11 @@
 //! instead of the real libraries. The collective suite passes; every sharding strategy equals
 //! one device; training, and pipelines whose stages exchange activations and gradients through
 //! NCCL's point-to-point calls, equal the same job on one machine; NCCL's failures (two ranks
-//! on one GPU, a rank killed mid-run) are named errors, not hangs.
+//! on one GPU, a rank killed mid-run, NCCL installed under its versioned name only) are named
+//! errors, not hangs.
 //!
 //! What this cannot show is anything of a GPU: device kernels, Burn's CUDA backend, the
-//! decorator's device-buffer collectives, speed. The inner backend here is the CPU, so the
+//! decorator's collectives on Burn's CUDA tensors, speed. The inner backend here is the CPU, so the
 //! group's host path runs (`scripts/gpu-check.sh` covers the rest on GPUs).
 //!
 //!     cargo test -p kiln-cli --features nccl --test nccl_emulated -- --test-threads=1
@@ -278,4 +279,44 @@ fn a_killed_rank_fails_the_survivors_through_ncclcommgetasyncerror() {
             assert!(err.contains("closed its connection"), "{err}");
         }
     }
+}
+
+#[test]
+fn an_nccl_installed_as_libnccl_so_2_is_named_and_linked_by_the_launcher() {
+    // Debian's libnccl2 and pip's nvidia-nccl-cu12 install `libnccl.so.2` only; cudarc loads
+    // `libnccl.so`. A rank started by hand says what to do; `kiln launch` makes the link.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(emulator().join("libcuda.so"), dir.path().join("libcuda.so")).unwrap();
+    std::fs::copy(
+        emulator().join("libnccl.so"),
+        dir.path().join("libnccl.so.2"),
+    )
+    .unwrap();
+    let with_path = |c: &mut Command| {
+        c.env("LD_LIBRARY_PATH", dir.path());
+    };
+    let mut alone = kiln();
+    with_path(&mut alone);
+    let out = alone
+        .args(["comm-check", "--backend", "nccl"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "1")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "1")
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("libnccl.so.2 is installed but cudarc loads NCCL by the name libnccl.so"),
+        "{t}"
+    );
+    let mut launched = launch(2, &["comm-check", "--backend", "nccl"]);
+    with_path(&mut launched);
+    let t = run_ok(launched);
+    assert_eq!(
+        t.matches("collective checks passed on nccl").count(),
+        2,
+        "{t}"
+    );
 }
