@@ -188,43 +188,35 @@ impl RawComm {
         Ok(comm)
     }
 
-    /// The communicator's asynchronous error, if NCCL has reported one (not while an
-    /// operation is merely in progress).
-    fn async_error(&self) -> Option<String> {
-        let mut state = ns::ncclResult_t::ncclSuccess;
+    /// The communicator's state as `ncclCommGetAsyncError` reports it: `Ok(true)` when its
+    /// pending operation (init, or an enqueue that answered `ncclInProgress`) is done,
+    /// `Ok(false)` while it is in progress, the error once NCCL has reported one.
+    fn state(&self) -> std::result::Result<bool, String> {
+        let mut state = ns::ncclResult_t::ncclInProgress;
         // SAFETY: a live communicator and a valid out-pointer.
         let r = unsafe { ns::ncclCommGetAsyncError(self.0, &mut state) };
         if r != ns::ncclResult_t::ncclSuccess {
-            return Some(describe(r, Some(self.0)));
+            return Err(describe(r, Some(self.0)));
         }
         match state {
-            ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress => None,
-            e => Some(describe(e, Some(self.0))),
+            ns::ncclResult_t::ncclSuccess => Ok(true),
+            ns::ncclResult_t::ncclInProgress => Ok(false),
+            e => Err(describe(e, Some(self.0))),
         }
     }
 
-    /// Polls `ncclCommGetAsyncError` until the communicator's pending operation (init, or an
-    /// enqueue that answered `ncclInProgress`) is done, fails, or `deadline` passes.
+    /// Polls [`RawComm::state`] until the pending operation is done, fails, or `deadline`
+    /// passes.
     fn ready(&self, deadline: Instant) -> std::result::Result<(), NotReady> {
         let mut pause = Duration::from_micros(5);
-        loop {
-            let mut state = ns::ncclResult_t::ncclInProgress;
-            // SAFETY: a live communicator and a valid out-pointer.
-            let r = unsafe { ns::ncclCommGetAsyncError(self.0, &mut state) };
-            if r != ns::ncclResult_t::ncclSuccess {
-                return Err(NotReady::Failed(describe(r, Some(self.0))));
-            }
-            match state {
-                ns::ncclResult_t::ncclSuccess => return Ok(()),
-                ns::ncclResult_t::ncclInProgress => {}
-                e => return Err(NotReady::Failed(describe(e, Some(self.0)))),
-            }
+        while !self.state().map_err(NotReady::Failed)? {
             if Instant::now() >= deadline {
                 return Err(NotReady::TimedOut);
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(1));
         }
+        Ok(())
     }
 }
 
@@ -519,7 +511,7 @@ impl Live<'_> {
                     return Err(self.fail(self.timeout_err()));
                 }
                 Ok(false) => {
-                    if let Some(why) = self.comm.async_error() {
+                    if let Err(why) = self.comm.state() {
                         return Err(self.fail(CommError::Nccl(format!("{}: {why}", self.ctx))));
                     }
                     std::thread::sleep(pause);
