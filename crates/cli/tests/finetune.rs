@@ -6,7 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+mod common;
+use common::{KILN, launch, run_ok};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -54,32 +55,21 @@ fn finetune_args(out: &Path, extra: &[&str]) -> Vec<String> {
 fn finetune_under_launch_writes_peft_adapters_and_a_merged_model() {
     let tmp = tempfile::tempdir().unwrap();
     let (out, merged) = (tmp.path().join("run"), tmp.path().join("merged"));
-    let mut args: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "0",
-        "--",
-        KILN,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(finetune_args(
-        &out,
-        &[
-            "--lora-r",
-            "2",
-            "--strategy",
-            "zero3",
-            "--qlora",
-            "--merge-into",
-            &merged.display().to_string(),
-        ],
+    let text = run_ok(launch(
+        2,
+        finetune_args(
+            &out,
+            &[
+                "--lora-r",
+                "2",
+                "--strategy",
+                "zero3",
+                "--qlora",
+                "--merge-into",
+                &merged.display().to_string(),
+            ],
+        ),
     ));
-    let (ok, text) = kiln(&args);
-    assert!(ok, "{text}");
     for line in [
         "kiln finetune: llama",
         "LoRA r=2 alpha=4 on 8 weights",

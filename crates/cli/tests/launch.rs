@@ -5,9 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{assert_shard_check_passed, run_ok, shard_check_args, text};
-
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+use common::{KILN, assert_shard_check_passed, launch, run_ok, shard_check_args, text};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -66,18 +64,7 @@ fn stderr_of(child: Child) -> String {
 #[test]
 fn launch_runs_the_collective_suite_on_2_and_4_processes() {
     for n in [2, 4] {
-        let out = Command::new(KILN)
-            .args([
-                "launch",
-                "--nproc-per-node",
-                &n.to_string(),
-                "--master-port",
-                "0",
-                "--",
-            ])
-            .args([KILN, "comm-check"])
-            .output()
-            .unwrap();
+        let out = launch(n, ["comm-check"]).output().unwrap();
         let t = text(&out);
         assert!(out.status.success(), "{t}");
         for r in 0..n {
@@ -400,13 +387,7 @@ fn shard_check_over_processes() {
         ("zero3", 3),
         ("hybrid:2", 4),
     ] {
-        let t = run_ok({
-            let mut c = Command::new(KILN);
-            c.args(["launch", "--nproc-per-node", &n.to_string()])
-                .args(["--master-port", "0", "--", KILN])
-                .args(shard_check_args("tcp", strategy));
-            c
-        });
+        let t = run_ok(launch(n, shard_check_args("tcp", strategy)));
         assert_shard_check_passed(&t, strategy, n);
     }
 }

@@ -9,9 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::{TINY, assert_shard_check_passed, run_ok, shard_check_args, text, val_loss};
-
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+use common::{KILN, TINY, assert_shard_check_passed, run_ok, shard_check_args, text, val_loss};
 
 fn mpirun(n: usize) -> Command {
     let mut c = Command::new("mpirun");

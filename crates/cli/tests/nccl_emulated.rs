@@ -20,9 +20,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{TINY, assert_shard_check_passed, run_ok, shard_check_args, text, val_loss};
-
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+use common::{KILN, TINY, assert_shard_check_passed, run_ok, shard_check_args, text, val_loss};
 
 /// The emulators, built once per test run into this target's scratch directory.
 fn emulator() -> &'static Path {
@@ -44,33 +42,26 @@ fn emulator() -> &'static Path {
     })
 }
 
-/// `kiln` with the emulated libraries first on its library path.
-fn kiln() -> Command {
+/// `c` with the emulated libraries first on its library path.
+fn on_emulator(mut c: Command) -> Command {
     let mut path = emulator().display().to_string();
     if let Ok(old) = std::env::var("LD_LIBRARY_PATH") {
         path = format!("{path}:{old}");
     }
-    let mut c = Command::new(KILN);
     c.env("LD_LIBRARY_PATH", path)
         .env("KILN_COMM_TIMEOUT", "60")
         .env_remove("CUDA_VISIBLE_DEVICES");
     c
 }
 
-/// `kiln launch` of `n` local ranks running `kiln ARGS`.
+/// `kiln` on the emulator.
+fn kiln() -> Command {
+    on_emulator(Command::new(KILN))
+}
+
+/// `kiln launch` of `n` local ranks running `kiln ARGS`, on the emulator.
 fn launch(n: usize, args: &[&str]) -> Command {
-    let mut c = kiln();
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        &n.to_string(),
-        "--master-port",
-        "0",
-        "--",
-        KILN,
-    ])
-    .args(args);
-    c
+    on_emulator(common::launch(n, args))
 }
 
 fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {

@@ -12,9 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{TINY, text, val_loss};
-
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+use common::{KILN, TINY, text, val_loss};
 
 /// Two namespaces `<tag>-0` and `<tag>-1`, linked by veth `<dev>0` / `<dev>1` with addresses
 /// 10.<x>.<y>.1 and .2; removed when dropped.

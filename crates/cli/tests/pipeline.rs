@@ -7,9 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{TINY, children, latest_step, losses, run_ok, text};
-
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+use common::{KILN, TINY, children, latest_step, losses, run_ok, text};
 
 fn train(out: &Path, steps: usize, extra: &[&str]) -> Command {
     let mut c = Command::new(KILN);
@@ -25,20 +23,9 @@ fn train(out: &Path, steps: usize, extra: &[&str]) -> Command {
     c
 }
 
+/// `train(out, steps, extra)` on `nproc` launched ranks.
 fn launch(nproc: usize, out: &Path, steps: usize, extra: &[&str]) -> Command {
-    let mut c = Command::new(KILN);
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        &nproc.to_string(),
-        "--master-port",
-        "0",
-        "--",
-    ]);
-    let inner = train(out, steps, extra);
-    c.arg(inner.get_program()).args(inner.get_args());
-    c.env("KILN_COMM_TIMEOUT", "60");
-    c
+    common::launch(nproc, train(out, steps, extra).get_args())
 }
 
 /// The largest relative difference of `a`'s losses from `b`'s at the steps both have.

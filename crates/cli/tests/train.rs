@@ -6,9 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{TINY, children, latest_step, losses, run_ok, text};
-
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+use common::{KILN, TINY, children, latest_step, launch, losses, run_ok, text};
 
 fn train_args(out: &Path, steps: usize, snapshot_every: usize, extra: &[&str]) -> Vec<String> {
     let mut a = vec!["train".to_string()];
@@ -28,29 +26,13 @@ fn train_args(out: &Path, steps: usize, snapshot_every: usize, extra: &[&str]) -
     a
 }
 
-fn launch(nproc: usize, args: &[String]) -> Command {
-    let mut c = Command::new(KILN);
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        &nproc.to_string(),
-        "--master-port",
-        "0",
-        "--",
-        KILN,
-    ])
-    .args(args)
-    .env("KILN_COMM_TIMEOUT", "60");
-    c
-}
-
 #[test]
 fn a_killed_two_process_run_resumes_with_the_same_losses() {
     let dir = tempfile::tempdir().unwrap();
     let (whole, cut) = (dir.path().join("whole"), dir.path().join("cut"));
     let steps = 150;
     let extra = ["--strategy", "zero2"];
-    let out = run_ok(launch(2, &train_args(&whole, steps, 4, &extra)));
+    let out = run_ok(launch(2, train_args(&whole, steps, 4, &extra)));
     // The memory table names both ranks (processes) and lands in the metrics too.
     for needle in [
         "memory per rank",
@@ -82,7 +64,7 @@ fn a_killed_two_process_run_resumes_with_the_same_losses() {
         assert!(row["peak_activations"].as_u64().unwrap() > 0, "{row}");
     }
 
-    let mut job = launch(2, &train_args(&cut, steps, 4, &extra))
+    let mut job = launch(2, train_args(&cut, steps, 4, &extra))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -106,7 +88,7 @@ fn a_killed_two_process_run_resumes_with_the_same_losses() {
     // the numbers (bitwise equal losses below).
     let resumed = run_ok(launch(
         2,
-        &train_args(
+        train_args(
             &cut,
             steps,
             4,
@@ -310,7 +292,7 @@ fn bad_inputs_are_named() {
     // Under a launcher, the recipe's world size must be the launcher's.
     let out = launch(
         2,
-        &train_args(
+        train_args(
             &dir.path().join("w"),
             2,
             0,
@@ -356,7 +338,7 @@ fn srun_variables_train_like_kiln_launch() {
     let dir = tempfile::tempdir().unwrap();
     let (launched, srun) = (dir.path().join("launch"), dir.path().join("srun"));
     let args = |out: &Path| train_args(out, 6, 0, &["--strategy", "zero3"]);
-    run_ok(launch(2, &args(&launched)));
+    run_ok(launch(2, args(&launched)));
 
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -1,7 +1,24 @@
-//! What the CLI tests share: the tiny recipe and a finished process's output.
+//! What the CLI tests share: the binary, a launched job, the tiny recipe and a finished
+//! process's output.
 
+use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Command, Output};
+
+/// The `kiln` binary under test.
+pub const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// `kiln launch` of `n` local ranks on a free port, each running `kiln ARGS`, with a 60 s
+/// collective timeout (a stuck job fails in a minute, not the default five).
+#[allow(dead_code)]
+pub fn launch<S: AsRef<OsStr>>(n: usize, args: impl IntoIterator<Item = S>) -> Command {
+    let mut c = Command::new(KILN);
+    c.args(["launch", "--nproc-per-node", &n.to_string()])
+        .args(["--master-port", "0", "--", KILN])
+        .args(args)
+        .env("KILN_COMM_TIMEOUT", "60");
+    c
+}
 
 /// A model and corpus small enough for a debug build.
 #[allow(dead_code)] // not every test file trains
