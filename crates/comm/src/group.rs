@@ -54,7 +54,8 @@ pub trait ProcessGroup: AsAny + Send + Sync + fmt::Debug {
     /// Sends `buf` to rank `dst`, which must call [`recv`](ProcessGroup::recv) with the same length.
     /// Returns once the data is handed to the transport (it may not have arrived yet), on every
     /// kiln group (NCCL's sends wait for the receiver: `NcclGroup` queues them in an
-    /// [`Outbox`](crate::Outbox)), so a rank may send before it receives whatever its peer does.
+    /// [`Outbox`](crate::Outbox)), so a rank may send before it receives whatever its peer does,
+    /// also while another of its threads waits in [`recv`](ProcessGroup::recv) on this group.
     fn send(&self, buf: BufRef<'_>, dst: usize) -> Result<()>;
     /// Receives into `buf` what rank `src` sent; messages between two ranks arrive in order.
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()>;
@@ -154,6 +155,10 @@ pub(crate) struct GroupCore {
     rank: usize,
     timeout: Duration,
     state: Mutex<CoreState>,
+    /// Held by a point-to-point receive while it waits (instead of `state`), so that receives
+    /// take their messages in the order they took their sequence numbers, while this rank's
+    /// sends and collectives on other threads go on.
+    receiving: Mutex<()>,
     counters: Counters,
 }
 
@@ -189,6 +194,7 @@ impl GroupCore {
             timeout: options.timeout,
             transport,
             state: Mutex::default(),
+            receiving: Mutex::default(),
             counters: Counters::default(),
         }
     }
@@ -326,6 +332,7 @@ impl GroupCore {
             rank: me,
             timeout: self.timeout,
             state: Mutex::default(),
+            receiving: Mutex::default(),
             counters: Counters::default(),
         })
     }
@@ -543,15 +550,21 @@ impl GroupCore {
 
     pub fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
         self.check_peer(OpKind::SendRecv, src, "source")?;
-        let mut state = self.lock();
-        if let Some(first) = &state.poisoned {
-            return Err(CommError::Poisoned {
-                group: self.name.clone(),
-                first: first.clone(),
-            });
-        }
-        let seq = *state.p2p_received.entry(src).or_insert(0);
-        state.p2p_received.insert(src, seq + 1);
+        let _in_order = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
+        let seq = {
+            let mut state = self.lock();
+            if let Some(first) = &state.poisoned {
+                return Err(CommError::Poisoned {
+                    group: self.name.clone(),
+                    first: first.clone(),
+                });
+            }
+            let seq = *state.p2p_received.entry(src).or_insert(0);
+            state.p2p_received.insert(src, seq + 1);
+            seq
+        };
+        // The wait holds no state lock: `send` promises to return before its message is
+        // received, also while another thread of this rank waits for a message here.
         let ctx = self.ctx(OpKind::SendRecv, seq);
         let deadline = Instant::now() + self.timeout;
         let msg =
@@ -563,7 +576,7 @@ impl GroupCore {
                 Ok(msg) => msg,
                 Err(e) => {
                     let err = recv_error(ctx, src, self.timeout, e);
-                    return Err(self.fail(&mut state, err));
+                    return Err(self.fail(&mut self.lock(), err));
                 }
             };
         let h = msg.header;
@@ -574,7 +587,7 @@ impl GroupCore {
                 expected: format!("recv({}, {} elements)", buf.dtype(), buf.len()),
                 found: format!("send({}, {} elements)", h.dtype, h.total),
             };
-            return Err(self.fail(&mut state, err));
+            return Err(self.fail(&mut self.lock(), err));
         }
         buf.as_bytes_mut().copy_from_slice(&msg.payload);
         self.counters.received(OpKind::SendRecv, msg.payload.len());

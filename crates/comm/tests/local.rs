@@ -191,6 +191,41 @@ fn a_rank_that_dies_fails_its_peers_at_once_and_poisons_the_group() {
 }
 
 #[test]
+fn a_receive_waiting_on_one_thread_holds_up_no_send_or_collective_on_another() {
+    // Rank 0 waits for a message on a second thread while its first thread sends and
+    // all-reduces; rank 1 sends that message only after both. Had the waiting receive held the
+    // group, rank 0's send would wait for it and both ranks would time out.
+    let outcomes = spawn_ranks_with(2, short(10_000), |g: LocalGroup| -> Result<(), CommError> {
+        let mut sum = [1.0f32];
+        if g.rank() == 0 {
+            std::thread::scope(|s| {
+                let waiting = s.spawn(|| {
+                    let mut got = [0.0f32; 3];
+                    g.recv((&mut got[..]).into(), 1).map(|()| got)
+                });
+                // Time for the receive to start waiting (were it late, the test would still
+                // pass, without checking anything).
+                std::thread::sleep(Duration::from_millis(50));
+                g.send((&[1.0f32, 2.0, 3.0][..]).into(), 1)?;
+                g.all_reduce((&mut sum[..]).into(), ReduceOp::Sum)?;
+                assert_eq!(sum, [2.0]);
+                assert_eq!(waiting.join().unwrap()?, [4.0, 5.0, 6.0]);
+                Ok(())
+            })
+        } else {
+            let mut got = [0.0f32; 3];
+            g.recv((&mut got[..]).into(), 0)?;
+            assert_eq!(got, [1.0, 2.0, 3.0]);
+            g.all_reduce((&mut sum[..]).into(), ReduceOp::Sum)?;
+            g.send((&[4.0f32, 5.0, 6.0][..]).into(), 0)
+        }
+    });
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        outcome.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
+
+#[test]
 fn wrong_lengths_and_peers_are_argument_errors() {
     spawn_ranks(2, |g: LocalGroup| {
         let mut out = [0.0f32; 10];
