@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 mod common;
-use common::{KILN, TINY, assert_shard_check_passed, run_ok, shard_check_args, text, val_loss};
+use common::{KILN, TINY, assert_shard_check_passed, run_err, run_ok, shard_check_args, val_loss};
 
 fn mpirun(n: usize) -> Command {
     let mut c = Command::new("mpirun");
@@ -161,9 +161,7 @@ fn a_job_mpi_did_not_start_is_refused_with_the_reason() {
         &tmp.path().join("run"),
         &["--set", "parallel.backend=\"mpi\""],
     );
-    let out = c.output().unwrap();
-    let t = text(&out);
-    assert!(!out.status.success(), "{t}");
+    let t = run_err(c);
     assert!(
         t.contains("MPI sees rank 0 of 1 but the launcher's variables"),
         "{t}"

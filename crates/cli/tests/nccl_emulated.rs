@@ -20,7 +20,9 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{KILN, TINY, assert_shard_check_passed, run_ok, shard_check_args, text, val_loss};
+use common::{
+    KILN, TINY, assert_shard_check_passed, run_err, run_ok, shard_check_args, text, val_loss,
+};
 
 /// The emulators, built once per test run into this target's scratch directory.
 fn emulator() -> &'static Path {
@@ -198,9 +200,7 @@ fn two_ranks_on_one_gpu_are_refused_by_name() {
     // refuses the pair; kiln says so and why.
     let mut c = launch(2, &["comm-check", "--backend", "nccl"]);
     c.env("CUDA_VISIBLE_DEVICES", "0");
-    let out = c.output().unwrap();
-    let t = text(&out);
-    assert!(!out.status.success(), "{t}");
+    let t = run_err(c);
     assert!(t.contains("Duplicate GPU detected"), "{t}");
     assert!(t.contains("two ranks on one GPU"), "{t}");
 }
@@ -288,16 +288,13 @@ fn an_nccl_installed_as_libnccl_so_2_is_named_and_linked_by_the_launcher() {
     };
     let mut alone = kiln();
     with_path(&mut alone);
-    let out = alone
+    alone
         .args(["comm-check", "--backend", "nccl"])
         .env("RANK", "0")
         .env("WORLD_SIZE", "1")
         .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", "1")
-        .output()
-        .unwrap();
-    let t = text(&out);
-    assert!(!out.status.success(), "{t}");
+        .env("MASTER_PORT", "1");
+    let t = run_err(alone);
     assert!(
         t.contains("libnccl.so.2 is installed but cudarc loads NCCL by the name libnccl.so"),
         "{t}"

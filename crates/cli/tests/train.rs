@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{KILN, TINY, children, latest_step, launch, losses, run_ok, text};
+use common::{KILN, TINY, children, latest_step, launch, losses, run_err, run_ok, text};
 
 fn train_args(out: &Path, steps: usize, snapshot_every: usize, extra: &[&str]) -> Vec<String> {
     let mut a = vec!["train".to_string()];
@@ -115,8 +115,7 @@ fn a_crash_while_writing_a_snapshot_leaves_the_previous_one() {
     let mut c = Command::new(KILN);
     c.args(args(&cut, &[]))
         .env("KILN_TEST_ABORT_IN_SNAPSHOT", "8");
-    let out = c.output().unwrap();
-    assert!(!out.status.success(), "{}", text(&out));
+    run_err(c);
     assert_eq!(latest_step(&cut), Some(4));
     let partial = cut.join("snapshots/.step-00000008.partial");
     assert!(partial.join("rank-00000.safetensors").exists());
@@ -290,7 +289,7 @@ fn bad_inputs_are_named() {
     );
 
     // Under a launcher, the recipe's world size must be the launcher's.
-    let out = launch(
+    let t = run_err(launch(
         2,
         train_args(
             &dir.path().join("w"),
@@ -298,11 +297,7 @@ fn bad_inputs_are_named() {
             0,
             &["--set", "parallel.world_size=4"],
         ),
-    )
-    .output()
-    .unwrap();
-    let t = text(&out);
-    assert!(!out.status.success(), "{t}");
+    ));
     assert!(
         t.contains("expects parallel.world_size = 4 but the launcher started 2"),
         "{t}"

@@ -214,17 +214,23 @@ impl GroupCore {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The state, locked, unless an earlier failure poisoned the group.
+    fn usable(&self) -> Result<MutexGuard<'_, CoreState>> {
+        let state = self.lock();
+        match &state.poisoned {
+            Some(first) => Err(CommError::Poisoned {
+                group: self.name.clone(),
+                first: first.clone(),
+            }),
+            None => Ok(state),
+        }
+    }
+
     /// Starts a collective: checks the group is usable and takes the next sequence number.
     /// The state lock is held for the whole collective, so concurrent callers on one rank
     /// serialise instead of interleaving their messages.
     fn begin(&self, kind: OpKind, dtype: DType, total: usize, op: u8, root: u32) -> Result<Op<'_>> {
-        let mut state = self.lock();
-        if let Some(first) = &state.poisoned {
-            return Err(CommError::Poisoned {
-                group: self.name.clone(),
-                first: first.clone(),
-            });
-        }
+        let mut state = self.usable()?;
         let seq = state.seq;
         state.seq += 1;
         self.counters.call(kind);
@@ -509,15 +515,8 @@ impl GroupCore {
 
     pub fn send(&self, buf: BufRef<'_>, dst: usize) -> Result<()> {
         self.check_peer(OpKind::SendRecv, dst, "destination")?;
-        let mut state = self.lock();
-        if let Some(first) = &state.poisoned {
-            return Err(CommError::Poisoned {
-                group: self.name.clone(),
-                first: first.clone(),
-            });
-        }
-        let seq = *state.p2p_sent.entry(dst).or_insert(0);
-        state.p2p_sent.insert(dst, seq + 1);
+        let mut state = self.usable()?;
+        let seq = next_seq(&mut state.p2p_sent, dst);
         self.counters.call(OpKind::SendRecv);
         let bytes = buf.as_bytes();
         let header = Header {
@@ -551,18 +550,7 @@ impl GroupCore {
     pub fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
         self.check_peer(OpKind::SendRecv, src, "source")?;
         let _in_order = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
-        let seq = {
-            let mut state = self.lock();
-            if let Some(first) = &state.poisoned {
-                return Err(CommError::Poisoned {
-                    group: self.name.clone(),
-                    first: first.clone(),
-                });
-            }
-            let seq = *state.p2p_received.entry(src).or_insert(0);
-            state.p2p_received.insert(src, seq + 1);
-            seq
-        };
+        let seq = next_seq(&mut self.usable()?.p2p_received, src);
         // The wait holds no state lock: `send` promises to return before its message is
         // received, also while another thread of this rank waits for a message here.
         let ctx = self.ctx(OpKind::SendRecv, seq);
@@ -593,6 +581,13 @@ impl GroupCore {
         self.counters.received(OpKind::SendRecv, msg.payload.len());
         Ok(())
     }
+}
+
+/// The sequence number of the next point-to-point message with `peer`, counted in `counts`.
+fn next_seq(counts: &mut HashMap<usize, u64>, peer: usize) -> u64 {
+    let count = counts.entry(peer).or_insert(0);
+    *count += 1;
+    *count - 1
 }
 
 fn recv_error(op: OpContext, peer: usize, timeout: Duration, e: RecvError) -> CommError {

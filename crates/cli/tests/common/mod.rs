@@ -55,6 +55,15 @@ pub fn run_ok(mut c: Command) -> String {
     t
 }
 
+/// Runs `c` and returns its output, asserting it failed.
+#[allow(dead_code)]
+pub fn run_err(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    let t = text(&out);
+    assert!(!out.status.success(), "it succeeded:\n{t}");
+    t
+}
+
 /// The training loss of every step in a run's metrics log.
 #[allow(dead_code)]
 pub fn losses(run: &Path) -> Vec<(u64, f64)> {
