@@ -1,15 +1,16 @@
-//! kiln's sharding decorator: DDP and ZeRO-1/2/3 (FSDP) for any Burn model.
+//! kiln's sharding decorator: DDP and ZeRO-1/2/3 (FSDP) for any Burn model, with budgeted
+//! rematerialisation, mixed precision and LoRA weights as features of the same decorator.
 //!
-//! `Shard<B>` wraps an inner backend. A user writes `Autodiff<Shard<Flex>>` (or, through the
+//! `Shard<B>` wraps an inner backend. A user writes `Autodiff<Shard<B>>` (or, through the
 //! facade, `Autodiff<Kiln<Flex>>`) where they wrote `Autodiff<Flex>`, builds their model as
 //! usual and calls [`shard()`] once:
 //!
-//! - float tensors are [`ShardTensor`]s: whole (`Local`) or this rank's shard of a flattened
-//!   tensor (`Sharded`), always reporting the logical shape;
+//! - float tensors are [`ShardTensor`]s: whole (`Local`), this rank's shard of a flattened
+//!   tensor (`Sharded`), or a value a feature defers (`Deferred`), always reporting the logical
+//!   shape;
 //! - elementwise ops on shards run shard by shard; whole-tensor reductions reduce locally, then
 //!   all-reduce; every other op gathers its sharded inputs, runs on the inner backend, and drops
-//!   the gathered copy (the policies are in `ops/policy.rs`, the forwarding of all 418 ops
-//!   methods is generated);
+//!   the gathered copy (the forwarding of all 418 ops methods is generated);
 //! - under `Autodiff`, each parameter's gradient is reduced the moment it is final (burn's
 //!   `distributed` hook), in buckets: all-reduced for DDP and ZeRO-1, reduce-scattered for
 //!   ZeRO-2/3, so under ZeRO-2/3 whole-model gradients never coexist;
@@ -19,38 +20,49 @@
 //!
 //! Every collective must be reached by every rank: anything that reads a sharded tensor
 //! (validation, metrics, saving) runs on all ranks.
+//!
+//! # Layers
+//!
+//! ```text
+//! step, measurement   step.rs  check.rs  pieces.rs  threads.rs        one training step; parity; snapshot pieces
+//!        |
+//! strategies          strategy/  shard  hook  reduce  sync  prefetch  optim  state  stats
+//!        |
+//! features            features/  zero | remat | precision | lowrank | account   (none imports another)
+//!        |
+//! core                core/  backend  tensor  ops/*  scope  dtype  host  error
+//! ```
+//!
+//! Imports run down only; `kiln-tests`' `layers` test fails on one that runs up or across
+//! features, and on any import circle between files.
 #![warn(missing_docs)]
 
-pub mod account;
-mod backend;
 pub mod check;
-#[cfg(feature = "cuda")]
-pub mod device;
-mod hook;
-pub mod lowrank;
-#[cfg(feature = "cuda")]
-mod on_device;
-mod ops;
-mod optim;
+pub mod core;
+pub mod features;
 pub mod pieces;
-pub mod precision;
-mod prefetch;
-pub mod remat;
-mod state;
 mod step;
-mod strategy;
-mod sync;
-mod tensor;
+pub mod strategy;
 pub mod threads;
 
-pub use backend::Shard;
-pub use optim::{ShardedOptimizer, clip_grad_norm, grad_norm, scale_grads};
+/// Per-rank memory and traffic: the accounting feature, and what a model's strategy moved.
+pub mod account {
+    pub use crate::features::account::*;
+    pub use crate::strategy::stats::{comm_stats, prefetch_stats};
+}
+
+pub use crate::core::backend::Shard;
+pub use crate::core::error::ShardError;
+pub use crate::core::scope::local_reads;
+pub use crate::core::tensor::{Deferred, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad};
+pub use features::zero::View;
+pub use features::{lowrank, precision, remat};
 pub use precision::{LossScale, Precision, autocast};
-pub use prefetch::PrefetchStats;
-pub use state::{InitSync, ShardConfig, ShardError, Strategy, local_reads};
 pub use step::{Passes, StepConfig, StepStats, step, step_with};
-pub use strategy::{
+pub use strategy::config::{InitSync, ShardConfig, Strategy};
+pub use strategy::optim::{ShardedOptimizer, clip_grad_norm, grad_norm, scale_grads};
+pub use strategy::prefetch::PrefetchStats;
+pub use strategy::shard::{
     backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release, remark,
     shard,
 };
-pub use tensor::{ShardTensor, Sharded, View, ViewOp};

@@ -8,9 +8,12 @@
 //! This is PyTorch DCP's idea (save shards with their offsets, reshard at load) in one dimension,
 //! which suffices because kiln shards every tensor flat.
 
-use crate::ops::policy::{read, write};
-use crate::strategy::replace_primitive;
-use crate::{Shard, ShardTensor, Sharded};
+use crate::core::backend::Shard;
+use crate::core::host::{read, write};
+use crate::core::ops::local;
+use crate::core::tensor::{ShardTensor, Sharded};
+use crate::features::zero::flat;
+use crate::strategy::params::replace_primitive;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
@@ -35,15 +38,10 @@ pub struct Piece {
 /// On a view of a shard (`ShardTensor::View`): parameters and optimizer state are never views.
 pub fn held_range<B: Backend>(t: &ShardTensor<B>) -> Range<usize> {
     match t {
-        // A LoRA weight or a deferred gradient is read whole (formed).
-        ShardTensor::Local(_) | ShardTensor::LowRank(_) | ShardTensor::WeightGrad(_) => {
-            0..t.shape().num_elements()
-        }
         ShardTensor::Sharded(s) => shard_range(s.numel(), s.group.world_size(), s.group.rank()),
-        ShardTensor::View(_) => panic!("kiln: a snapshot piece of a view (not a parameter)"),
-        ShardTensor::Remat(_) => {
-            panic!("kiln: a snapshot piece of an activation (not a parameter)")
-        }
+        d if d.is_sharded() => panic!("kiln: a snapshot piece of a view (not a parameter)"),
+        // A LoRA weight or a deferred gradient is read whole (formed).
+        t => 0..t.shape().num_elements(),
     }
 }
 
@@ -52,7 +50,7 @@ pub fn piece<B: Backend>(t: &ShardTensor<B>) -> Piece {
     let range = held_range(t);
     let inner = match t {
         ShardTensor::Sharded(s) => s.shard.clone(),
-        t => crate::ops::policy::local(t.clone()),
+        t => local(t.clone()),
     };
     let values = read::<B>(inner)
         .convert::<f32>()
@@ -87,7 +85,7 @@ pub fn from_values<B: Backend>(
                 shard: write::<B>(TensorData::new(values, [len]), device, dtype),
                 shape,
                 group: group.clone(),
-                tag: None,
+                ops: flat(),
             })
         }
     }
@@ -97,12 +95,9 @@ pub fn from_values<B: Backend>(
 /// this rank holds.
 pub fn like<B: Backend>(like: &ShardTensor<B>, values: Vec<f32>) -> ShardTensor<B> {
     let (device, dtype, group) = match like {
-        ShardTensor::Local(t) => (B::float_device(t), t.dtype(), None),
-        ShardTensor::LowRank(w) => (w.device(), w.dtype(), None),
-        ShardTensor::WeightGrad(g) => (g.device(), g.dtype(), None),
         ShardTensor::Sharded(s) => (B::float_device(&s.shard), s.shard.dtype(), Some(&s.group)),
-        ShardTensor::View(_) => panic!("kiln: new values for a view (not a parameter)"),
-        ShardTensor::Remat(_) => panic!("kiln: new values for an activation (not a parameter)"),
+        d if d.is_sharded() => panic!("kiln: new values for a view (not a parameter)"),
+        t => (t.device(), t.dtype(), None),
     };
     from_values::<B>(like.shape(), values, group, &device, dtype)
 }

@@ -10,11 +10,14 @@
 //!
 //! [`no_sync`]: crate::no_sync
 
-use crate::account::{MemKind, MemoryProbe, StepMemory, grad_bytes, param_bytes, with_kind};
-use crate::optim::{clip_coefficient, grad_norm, scale_grads};
-use crate::precision::{LossScale, Precision, autocast};
-use crate::remat::{Pool, RematStats, recording};
-use crate::{Shard, backward, no_sync, reduce_gradients};
+use crate::core::backend::Shard;
+use crate::core::scope::{self, AnyArc, MemKind, Set, with_kind};
+use crate::features::account::{MemoryProbe, StepMemory, grad_bytes, param_bytes};
+use crate::features::lowrank::masks_seeded;
+use crate::features::precision::{LossScale, Precision, autocast};
+use crate::features::remat::{Pool, RematStats, recorder};
+use crate::strategy::optim::{clip_coefficient, grad_norm, scale_grads};
+use crate::strategy::shard::{backward, no_sync, reduce_gradients, remark};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
@@ -151,14 +154,16 @@ where
 /// wraps its passes in, so that every way of producing gradients gets the step's memory
 /// accounting, rematerialisation and loss scaling alike.
 pub struct Passes<'a> {
-    pool: Option<&'a std::sync::Arc<Pool>>,
+    /// The remat pool's recorder (for the step's backend), under a budget.
+    recorder: Option<AnyArc>,
     scale: Option<f64>,
+    _step: std::marker::PhantomData<&'a ()>,
 }
 
 impl std::fmt::Debug for Passes<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Passes")
-            .field("remat", &self.pool.is_some())
+            .field("remat", &self.recorder.is_some())
             .field("scale", &self.scale)
             .finish()
     }
@@ -168,8 +173,8 @@ impl Passes<'_> {
     /// Runs a forward pass: its tensors counted as activations, recorded for remat under a
     /// budget.
     pub fn forward<R>(&self, f: impl FnOnce() -> R) -> R {
-        with_kind(MemKind::Activations, || match self.pool {
-            Some(pool) => recording(pool, f),
+        with_kind(MemKind::Activations, || match &self.recorder {
+            Some(r) => scope::with(Set::Recorder(Some(r.clone())), f),
             None => f(),
         })
     }
@@ -212,11 +217,12 @@ where
         let pool = config.remat_budget.map(Pool::new);
         let scale = config.loss_scale.map(|s| s.scale);
         let passes = Passes {
-            pool: pool.as_ref(),
+            recorder: pool.as_ref().map(recorder::<B>),
             scale,
+            _step: std::marker::PhantomData,
         };
         let (total, grads) = match config.dropout_seed {
-            Some(seed) => crate::lowrank::masks_seeded(seed, || grads(&model, &passes)),
+            Some(seed) => masks_seeded(seed, || grads(&model, &passes)),
             None => grads(&model, &passes),
         };
         // One global norm serves clipping and the overflow check; every rank sees the same norm
@@ -227,10 +233,8 @@ where
             match across {
                 Some(group) => {
                     let mut squares = [(norm * norm) as f32];
-                    crate::account::waiting(|| {
-                        group.all_reduce(BufMut::F32(&mut squares), ReduceOp::Sum)
-                    })
-                    .unwrap_or_else(|e| panic!("kiln: the gradient norm over the stages: {e}"));
+                    scope::waiting(|| group.all_reduce(BufMut::F32(&mut squares), ReduceOp::Sum))
+                        .unwrap_or_else(|e| panic!("kiln: the gradient norm over the stages: {e}"));
                     f64::from(squares[0]).sqrt()
                 }
                 None => norm,
@@ -243,7 +247,7 @@ where
         {
             // Backward consumed the parameters' gradient-sync marks; the optimizer step would have
             // set them again.
-            crate::remark::<B, AB, M>(&model);
+            remark::<B, AB, M>(&model);
             return (
                 model,
                 StepStats {

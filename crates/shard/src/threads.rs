@@ -9,6 +9,7 @@
 //! its threads, sized as `kiln launch` sizes a process's: the default recipe went from 37k to
 //! 45k tokens/s on one rank, and from 47k to 62k with two thread ranks (DDP), on 2 cores.
 
+use crate::core::error::ShardError;
 use std::num::NonZeroUsize;
 
 /// Compute threads for each of `ranks` rank threads of this process: the process's threads
@@ -17,7 +18,7 @@ use std::num::NonZeroUsize;
 ///
 /// # Errors
 /// `RAYON_NUM_THREADS` set to something other than a positive number.
-pub fn per_rank(ranks: usize) -> Result<usize, String> {
+pub fn per_rank(ranks: usize) -> Result<usize, ShardError> {
     let env = std::env::var("RAYON_NUM_THREADS").ok();
     let total = match rayon_threads(env.as_deref())? {
         Some(n) => n,
@@ -30,15 +31,15 @@ pub fn per_rank(ranks: usize) -> Result<usize, String> {
 ///
 /// # Errors
 /// Anything other than a positive number.
-pub fn rayon_threads(value: Option<&str>) -> Result<Option<usize>, String> {
+pub fn rayon_threads(value: Option<&str>) -> Result<Option<usize>, ShardError> {
     let Some(v) = value.filter(|v| !v.trim().is_empty()) else {
         return Ok(None);
     };
     match v.trim().parse::<usize>() {
         Ok(n) if n > 0 => Ok(Some(n)),
-        _ => Err(format!(
+        _ => Err(ShardError::Threads(format!(
             "RAYON_NUM_THREADS={v:?} is not a positive number of threads"
-        )),
+        ))),
     }
 }
 
@@ -67,7 +68,7 @@ pub fn with_own_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R
 ///
 /// # Panics
 /// As [`kiln_comm::spawn_ranks`].
-pub fn spawn_ranks<R, F>(ranks: usize, f: F) -> Result<Vec<R>, String>
+pub fn spawn_ranks<R, F>(ranks: usize, f: F) -> Result<Vec<R>, ShardError>
 where
     R: Send,
     F: Fn(kiln_comm::LocalGroup) -> R + Sync,
@@ -125,11 +126,11 @@ mod tests {
 
     #[test]
     fn rayon_num_threads_is_a_positive_number_or_unset() {
-        assert_eq!(rayon_threads(None), Ok(None));
-        assert_eq!(rayon_threads(Some("  ")), Ok(None));
-        assert_eq!(rayon_threads(Some(" 3 ")), Ok(Some(3)));
+        assert_eq!(rayon_threads(None).unwrap(), None);
+        assert_eq!(rayon_threads(Some("  ")).unwrap(), None);
+        assert_eq!(rayon_threads(Some(" 3 ")).unwrap(), Some(3));
         for bad in ["0", "many", "-2"] {
-            let e = rayon_threads(Some(bad)).unwrap_err();
+            let e = rayon_threads(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("RAYON_NUM_THREADS"), "{e}");
         }
     }

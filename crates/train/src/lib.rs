@@ -64,8 +64,7 @@ pub fn train_threads<B: burn::tensor::backend::Backend>(
     recipe.check_world(ranks, false)?;
     let results = kiln_shard::threads::spawn_ranks(ranks, |g: LocalGroup| {
         train_rank::<B>(recipe, Arc::new(g), false, options, &Default::default())
-    })
-    .map_err(TrainError::World)?;
+    })?;
     rank_zero_or_root_cause(results)
 }
 

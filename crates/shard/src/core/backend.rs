@@ -1,6 +1,6 @@
 //! The decorator type and its `Backend` impl.
 
-use crate::ShardTensor;
+use super::tensor::ShardTensor;
 use burn_backend::{Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData};
 use std::marker::PhantomData;
 

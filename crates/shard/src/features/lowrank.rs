@@ -8,7 +8,7 @@
 //! - forward, `linear(x, ·)` is `x W + s (drop(x) Aᵀ) Bᵀ`: PEFT's `base(x) + s B A drop(x)`,
 //!   dropout (`lora_dropout`) on the adapter's input only, one mask per target and forward;
 //! - backward, `linear_x_backward` is `dy Wᵀ + s drop'((dy B) A)`, and the weight's gradient
-//!   (`linear_weight_backward`) is deferred ([`ShardTensor::WeightGrad`]): the op that made
+//!   (`linear_weight_backward`) is deferred (the core's [`WeightGrad`]): the op that made
 //!   the weight turns `x` and `dy` into `A`'s and `B`'s gradients by thin products
 //!   (`s (dy B)ᵀ drop(x)`, `s dyᵀ (drop(x) Aᵀ)`), so the `[in, out]` gradient of a frozen weight
 //!   is never computed either.
@@ -21,9 +21,11 @@
 //! Autodiff's side is a custom op ([`Backward`]) whose parents are `A` and `B` only: the frozen
 //! base weight receives no gradient.
 
-use crate::ops::policy::local;
-use crate::precision::widen;
-use crate::{Shard, ShardTensor};
+use crate::core::backend::Shard;
+use crate::core::dtype::widen;
+use crate::core::ops::{local, record_compute};
+use crate::core::scope::{self, Set};
+use crate::core::tensor::{DeferWeightGrads, Deferred, LinearArgs, ShardTensor, WeightGrad};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -33,7 +35,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, Distribution, TensorMetadata};
 use burn_std::Shape;
 use kiln_comm::hash::SplitMix64;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 
 type Prim<B> = <B as burn_backend::BackendTypes>::FloatTensorPrimitive;
@@ -54,15 +56,6 @@ pub trait LowRankOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-/// The LoRA weights alive: while there are none, `linear_weight_backward` computes at once
-/// (full fine-tuning is unchanged); while there are, it defers, for their ops to find.
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-/// Whether a weight gradient should be deferred (see [`LIVE`]).
-pub(crate) fn deferring() -> bool {
-    LIVE.load(Relaxed) > 0
-}
-
 /// `w + scaling · aᵀ bᵀ`, not formed.
 pub struct LowRank<B: Backend> {
     w: ShardTensor<B>,
@@ -76,6 +69,9 @@ pub struct LowRank<B: Backend> {
     /// The dropout mask of the one `linear` that used the weight (values 0 or 1/(1-p)), kept
     /// for backward.
     mask: Mutex<Option<Prim<B>>>,
+    /// While LoRA weights are alive, `linear_weight_backward` defers, for their ops to find
+    /// (with none, full fine-tuning is unchanged).
+    _defer: DeferWeightGrads,
 }
 
 impl<B: Backend> std::fmt::Debug for LowRank<B> {
@@ -86,12 +82,6 @@ impl<B: Backend> std::fmt::Debug for LowRank<B> {
             .field("scaling", &self.scaling)
             .field("dropout", &self.dropout)
             .finish()
-    }
-}
-
-impl<B: Backend> Drop for LowRank<B> {
-    fn drop(&mut self) {
-        LIVE.fetch_sub(1, Relaxed);
     }
 }
 
@@ -120,7 +110,6 @@ impl<B: Backend> LowRank<B> {
             (0.0..1.0).contains(&dropout),
             "kiln: LoRA dropout {dropout} is not a probability in [0, 1)"
         );
-        LIVE.fetch_add(1, Relaxed);
         Arc::new(LowRank {
             w,
             a,
@@ -129,6 +118,7 @@ impl<B: Backend> LowRank<B> {
             dropout,
             used: std::sync::atomic::AtomicBool::new(false),
             mask: Mutex::new(None),
+            _defer: DeferWeightGrads::new(),
         })
     }
 
@@ -140,11 +130,6 @@ impl<B: Backend> LowRank<B> {
     /// The dtype of the base weight.
     pub fn dtype(&self) -> burn_backend::DType {
         self.w.dtype()
-    }
-
-    /// The device of the base weight.
-    pub(crate) fn device(&self) -> B::Device {
-        crate::ops::custom::float_device::<B>(&self.w)
     }
 
     /// `w + s aᵀ bᵀ`, formed (for any use other than `linear`).
@@ -206,34 +191,19 @@ impl<B: Backend> LowRank<B> {
     }
 }
 
-thread_local! {
-    /// The seed of this thread's dropout masks and how many it has drawn (see [`masks_seeded`]).
-    static MASKS: std::cell::Cell<Option<(u64, u64)>> = const { std::cell::Cell::new(None) };
-}
-
 /// Runs `f` with this thread's LoRA dropout masks drawn from kiln's own generator, the `i`-th
 /// mask from `(seed, i)`: a step seeded from the run's seed, the step and the rank draws the
 /// same masks however the run got there (resumed or not) and whatever other threads draw.
 /// Outside, masks come from the backend's generator (Burn's `Backend::seed`).
 pub fn masks_seeded<R>(seed: u64, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<(u64, u64)>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            MASKS.with(|m| m.set(self.0));
-        }
-    }
-    let _restore = Restore(MASKS.with(|m| m.replace(Some((seed, 0)))));
-    f()
+    scope::with(Set::Draws(Some((seed, 0))), f)
 }
 
 fn next_mask_seed() -> Option<u64> {
-    MASKS.with(|m| {
-        let (seed, i) = m.get()?;
-        m.set(Some((seed, i + 1)));
-        // The i-th mask of this (seed, step, rank): a seed of its own.
-        let draw = |z: u64| SplitMix64(z).next_u64();
-        Some(draw(seed ^ draw(i.wrapping_add(0x6c6f_7261))))
-    })
+    let (seed, i) = scope::next_draw()?;
+    // The i-th mask of this (seed, step, rank): a seed of its own.
+    let draw = |z: u64| SplitMix64(z).next_u64();
+    Some(draw(seed ^ draw(i.wrapping_add(0x6c6f_7261))))
 }
 
 /// `n` draws of 1 (probability `keep`) or 0 from `seed`.
@@ -272,7 +242,7 @@ fn factors<B: Backend>(w: &LowRank<B>, dtype: burn_backend::DType) -> (Prim<B>, 
 }
 
 /// `linear(x, w, bias)` of a LoRA weight: `x W + bias + s (drop(x) Aᵀ) Bᵀ`.
-pub(crate) fn linear<B: Backend>(
+fn linear<B: Backend>(
     x: ShardTensor<B>,
     w: Arc<LowRank<B>>,
     bias: Option<ShardTensor<B>>,
@@ -281,7 +251,7 @@ pub(crate) fn linear<B: Backend>(
     let mut inputs = vec![x];
     let has_bias = bias.is_some();
     inputs.extend(bias);
-    crate::remat::record_compute(inputs, move |t| {
+    record_compute(inputs, move |t| {
         let mut t = t.into_iter();
         let x = t.next().expect("input");
         let bias = has_bias.then(|| t.next().expect("bias"));
@@ -301,10 +271,7 @@ pub(crate) fn linear<B: Backend>(
 }
 
 /// `linear_x_backward` of a LoRA weight: `dy Wᵀ + s drop'((dy B) A)`.
-pub(crate) fn linear_x_backward<B: Backend>(
-    w: Arc<LowRank<B>>,
-    dy: ShardTensor<B>,
-) -> ShardTensor<B> {
+fn linear_x_backward<B: Backend>(w: Arc<LowRank<B>>, dy: ShardTensor<B>) -> ShardTensor<B> {
     let dy = local(dy);
     let dtype = dy.dtype();
     let base = widen::<B>(local(w.w.clone()), dtype);
@@ -319,55 +286,40 @@ pub(crate) fn linear_x_backward<B: Backend>(
     ))
 }
 
-/// `x` and `dy` of a `Linear`, whose weight gradient `Σ xᵀ dy` is formed only if something
-/// other than a LoRA weight's op reads it.
-#[derive(Debug, Clone)]
-pub struct WeightGrad<B: Backend> {
-    x: ShardTensor<B>,
-    dy: ShardTensor<B>,
-}
-
-impl<B: Backend> WeightGrad<B> {
-    /// `[in, out]`.
-    pub fn shape(&self) -> Shape {
-        let (x, dy) = (self.x.shape(), self.dy.shape());
-        Shape::new([x[x.num_dims() - 1], dy[dy.num_dims() - 1]])
+impl<B: Backend> Deferred<B> for LowRank<B> {
+    fn shape(&self) -> Shape {
+        self.w.shape()
     }
-
-    /// The gradient's dtype (the output gradient's).
-    pub fn dtype(&self) -> burn_backend::DType {
-        self.dy.dtype()
+    fn dtype(&self) -> burn_backend::DType {
+        self.w.dtype()
     }
-
-    /// The device.
-    pub(crate) fn device(&self) -> B::Device {
-        crate::ops::custom::float_device::<B>(&self.dy)
+    fn device(&self) -> B::Device {
+        self.w.device()
     }
-
-    /// `Σ xᵀ dy`, formed.
-    pub fn formed(&self) -> Prim<B> {
-        B::linear_weight_backward(local(self.x.clone()), local(self.dy.clone()))
+    fn value(&self) -> Prim<B> {
+        self.formed()
     }
-
-    /// `x` and `dy` as `[tokens, in]` and `[tokens, out]`.
-    fn flat(&self, dtype: burn_backend::DType) -> (Prim<B>, Prim<B>) {
-        let [fan_in, fan_out] = self.shape().dims();
-        let x = widen::<B>(local(self.x.clone()), dtype);
-        let dy = widen::<B>(local(self.dy.clone()), dtype);
-        let tokens = x.shape().num_elements() / fan_in;
-        (
-            B::float_reshape(x, Shape::new([tokens, fan_in])),
-            B::float_reshape(dy, Shape::new([tokens, fan_out])),
-        )
+    fn linear(self: Arc<Self>, x: ShardTensor<B>, bias: Option<ShardTensor<B>>) -> LinearArgs<B> {
+        Ok(linear::<B>(x, self, bias))
+    }
+    fn linear_x_backward(
+        self: Arc<Self>,
+        dy: ShardTensor<B>,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        Ok(linear_x_backward::<B>(self, dy))
     }
 }
 
-/// The deferred weight gradient of a `Linear` (see [`WeightGrad`]).
-pub(crate) fn defer_weight_grad<B: Backend>(
-    x: ShardTensor<B>,
-    dy: ShardTensor<B>,
-) -> ShardTensor<B> {
-    ShardTensor::WeightGrad(Arc::new(WeightGrad { x, dy }))
+/// `x` and `dy` of a deferred weight gradient as `[tokens, in]` and `[tokens, out]`.
+fn flat<B: Backend>(g: &WeightGrad<B>, dtype: burn_backend::DType) -> (Prim<B>, Prim<B>) {
+    let [fan_in, fan_out] = g.shape().dims();
+    let x = widen::<B>(local(g.x.clone()), dtype);
+    let dy = widen::<B>(local(g.dy.clone()), dtype);
+    let tokens = x.shape().num_elements() / fan_in;
+    (
+        B::float_reshape(x, Shape::new([tokens, fan_in])),
+        B::float_reshape(dy, Shape::new([tokens, fan_out])),
+    )
 }
 
 /// `A`'s and `B`'s gradients from the weight's: thin products of `x` and `dy` when deferred,
@@ -376,9 +328,9 @@ fn adapter_grads<B: Backend>(w: &LowRank<B>, grad: ShardTensor<B>) -> (Prim<B>, 
     let dtype = w.a.dtype();
     let (a, b) = factors(w, dtype);
     let s = (w.scaling as f32).into();
-    match grad {
-        ShardTensor::WeightGrad(g) => {
-            let (x, dy) = g.flat(dtype);
+    match grad.deferred::<WeightGrad<B>>() {
+        Some(g) => {
+            let (x, dy) = flat(&g, dtype);
             let x = dropped::<B>(x, w.mask());
             // dA = s (dy B)ᵀ drop(x)   [r, in];   dB = s dyᵀ (drop(x) Aᵀ)   [out, r].
             let dy_b = B::float_matmul(dy.clone(), b);
@@ -387,7 +339,8 @@ fn adapter_grads<B: Backend>(w: &LowRank<B>, grad: ShardTensor<B>) -> (Prim<B>, 
             let db = B::float_matmul(B::float_swap_dims(dy, 0, 1), x_a);
             (B::float_mul_scalar(da, s), B::float_mul_scalar(db, s))
         }
-        whole => {
+        None => {
+            let whole = grad;
             assert!(
                 w.dropout == 0.0,
                 "kiln: a LoRA target with dropout {} was used by an op other than one Linear \
@@ -414,7 +367,7 @@ impl<B: Backend> LowRankOps for Shard<B> {
         _dropout: f64,
     ) -> FloatTensor<Self> {
         // Without autodiff nothing trains: no dropout.
-        ShardTensor::LowRank(LowRank::new(w, a, b, scaling, 0.0))
+        ShardTensor::Deferred(LowRank::new(w, a, b, scaling, 0.0))
     }
 }
 
@@ -457,9 +410,9 @@ impl<B: Backend, C: CheckpointStrategy> LowRankOps for Autodiff<Shard<B>, C> {
         {
             OpsKind::Tracked(prep) => {
                 let weight = LowRank::new(w.primitive, a.primitive, b.primitive, scaling, dropout);
-                prep.finish(weight.clone(), ShardTensor::LowRank(weight))
+                prep.finish(weight.clone(), ShardTensor::Deferred(weight))
             }
-            OpsKind::UnTracked(prep) => prep.finish(ShardTensor::LowRank(LowRank::new(
+            OpsKind::UnTracked(prep) => prep.finish(ShardTensor::Deferred(LowRank::new(
                 w.primitive,
                 a.primitive,
                 b.primitive,

@@ -60,12 +60,15 @@ fn trait_methods(file: &str, trait_name: &str) -> Vec<String> {
 }
 
 fn implemented(trait_name: &str) -> Vec<String> {
-    let generated = include_str!("forward.rs");
-    let custom = include_str!("custom.rs");
-    let text = if trait_name == "TransactionOps" {
-        custom
-    } else {
-        generated
+    // One generated file per trait; the transaction is hand-written.
+    let text = match trait_name {
+        "FloatTensorOps" => include_str!("float.rs"),
+        "IntTensorOps" => include_str!("int.rs"),
+        "BoolTensorOps" => include_str!("bool.rs"),
+        "ModuleOps" => include_str!("module.rs"),
+        "ActivationOps" => include_str!("activation.rs"),
+        "QTensorOps" => include_str!("qtensor.rs"),
+        _ => include_str!("custom.rs"),
     };
     let marker = format!("impl<B: Backend> {trait_name}<Self> for Shard<B> {{");
     let start = text

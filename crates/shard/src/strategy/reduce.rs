@@ -1,197 +1,85 @@
-//! Gradient reduction during backward, through burn-autodiff's `distributed` hook.
+//! A bucket of gradients reduced as a strategy says: read to the host (or kept on the device),
+//! laid out for its collective, reduced, and turned back into gradients (whole for DDP, this
+//! rank's shards otherwise).
 //!
-//! burn-autodiff calls `submit_gradient_sync` on the backend directly under `Autodiff` the
-//! moment a marked parameter's gradient is final, in the same (graph-determined) order on every
-//! rank, and `submit_sync_collective` when backward ends. The parameter's gradient-sync id,
-//! which `shard` made unique to its model, leads to that model's state; gradients are collected
-//! into the model's bucket and reduced together once it holds `bucket_bytes`:
 //! - DDP: all-reduce (average) the concatenation;
 //! - ZeRO-1/2/3: reduce-scatter (average) so that each rank receives the shard of every gradient
-//!   it owns. Each gradient's shards are padded to equal length and laid out rank-major, so one
-//!   reduce-scatter of equal chunks serves a bucket of unevenly divisible tensors (FSDP's flat
-//!   parameter padding). ZeRO-1 flushes once, when backward ends (whole gradients coexist until
-//!   then, as ZeRO-1 defines); ZeRO-2/3 flush whenever a bucket is full;
+//!   it owns. Each gradient's shards are padded to equal length and laid out rank-major
+//!   ([`RankMajor`]), so one reduce-scatter of equal chunks serves a bucket of unevenly divisible
+//!   tensors (FSDP's flat parameter padding);
 //! - hybrid: reduce-scatter within the sharding group, then all-reduce the shards across groups.
-//!
-//! Inside [`no_sync`](crate::no_sync) the hook leaves gradients whole and unreduced.
 
-use crate::account::{MemKind, waiting, with_kind};
-use crate::ops::policy::{Host, local, read, slice_local, write};
-use crate::state::{AnyModel, ModelState, PendingGrad, model_of};
-use crate::tensor::Sharded;
-use crate::{Shard, ShardTensor};
-use burn_backend::distributed::{
-    DistributedBackend, DistributedParamId, DistributedParams, TensorRef,
-};
+use super::config::Strategy;
+use crate::core::dtype::narrow;
+#[cfg(feature = "cuda")]
+use crate::core::dtype::widen;
+use crate::core::host::{Host, read, slice_local, write};
+use crate::core::ops::local;
+#[cfg(feature = "cuda")]
+use crate::core::ops::unary;
+use crate::core::scope::{self, waiting};
+use crate::core::tensor::{ShardTensor, Sharded};
+use crate::features::zero::flat;
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
 use kiln_comm::{ProcessGroup, ReduceOp, Work, shard_range};
-use std::cell::RefCell;
 use std::sync::Arc;
 
-thread_local! {
-    /// The models whose parameters take part in the backward pass running on this thread, in
-    /// creation order: flushed, in that order, when it ends.
-    static IN_BACKWARD: RefCell<Vec<(u64, AnyModel)>> = const { RefCell::new(Vec::new()) };
+/// Who reduces a model's gradients, and how: its strategy and groups.
+#[derive(Clone, Copy)]
+pub(crate) struct Reduction<'a> {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// The group gradients are reduced (or reduce-scattered) over.
+    pub shard: &'a Arc<dyn ProcessGroup>,
+    /// Hybrid: the group the shards are then all-reduced over.
+    pub across: Option<&'a Arc<dyn ProcessGroup>>,
 }
 
-/// The model of a parameter whose gradient the hook sees, and the parameter's id in it.
-fn model<B: Backend>(params: &DistributedParams) -> (Arc<ModelState<B>>, DistributedParamId) {
-    model_of::<B>(params.param_id).unwrap_or_else(|| {
-        panic!(
-            "kiln: a gradient of parameter {:?}, which no sharded model on this rank registered \
-             (a model released with `kiln_shard::release`, or ranks as threads holding models \
-             with the same parameter ids stepped by a plain Burn optimizer on a thread that is \
-             not the rank's: step sharded models with `kiln_shard::ShardedOptimizer`)",
-            params.param_id
-        )
-    })
+/// A gradient handed over by the hook, waiting in the bucket.
+pub(crate) struct PendingGrad<B: Backend> {
+    /// Points into burn-autodiff's gradient container, whose boxed entries stay put (and are
+    /// not removed) until backward returns; the bucket is always flushed before that, at the
+    /// latest in `submit_sync_collective`.
+    pub ptr: *mut ShardTensor<B>,
+    pub shape: Shape,
 }
 
-impl<B: Backend> DistributedBackend for Shard<B> {
-    fn register_sync_parameters(_device: &Self::Device, params: Vec<DistributedParams>) {
-        let mut models: Vec<(u64, AnyModel)> = Vec::new();
-        for p in &params {
-            let (m, _) = model::<B>(p);
-            if !models.iter().any(|(seq, _)| *seq == m.seq) {
-                let d = m.lock();
-                assert!(
-                    d.bucket.is_empty() && d.in_flight.is_empty(),
-                    "kiln: a backward pass started before the previous one synchronised its \
-                     gradients"
-                );
-                drop(d);
-                models.push((m.seq, m as AnyModel));
-            }
-        }
-        // The order of `params` comes from a hash map; creation order is the same on every rank.
-        models.sort_by_key(|(seq, _)| *seq);
-        IN_BACKWARD.with(|b| *b.borrow_mut() = models);
-    }
-
-    fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
-        let (m, id) = model::<B>(&params);
-        let mut d = m.lock();
-        if d.no_sync {
-            return;
-        }
-        let shape = d.params.get(&id).cloned().unwrap_or_else(|| {
-            panic!("kiln: gradient of parameter {id:?}, which `shard` did not register")
-        });
-        // SAFETY: `tensor.0` points to the gradient in burn-autodiff's container, valid for
-        // the rest of this backward (see `PendingGrad`).
-        let grad = unsafe { &*tensor.0 };
-        assert_eq!(
-            grad.shape(),
-            shape,
-            "kiln: gradient shape differs from its parameter's"
-        );
-        d.bucket_bytes += grad.local_bytes();
-        d.synced.insert(id);
-        d.bucket.push(PendingGrad {
-            ptr: tensor.0,
-            shape,
-        });
-        if m.config.strategy.reduces_during_backward() && d.bucket_bytes >= m.config.bucket_bytes {
-            let bucket = std::mem::take(&mut d.bucket);
-            d.bucket_bytes = 0;
-            drop(d);
-            flush(&m, bucket);
-        }
-    }
-
-    fn submit_sync_collective(_device: &Self::Device) {
-        let models = IN_BACKWARD.with(|b| std::mem::take(&mut *b.borrow_mut()));
-        for (_, m) in models {
-            let m = m
-                .downcast::<ModelState<B>>()
-                .expect("registered by this backend's hook");
-            let bucket = {
-                let mut d = m.lock();
-                d.bucket_bytes = 0;
-                std::mem::take(&mut d.bucket)
-            };
-            flush(&m, bucket);
-            land(&m);
-        }
-    }
-}
+// SAFETY: a pending gradient is created and consumed by the one thread running a backward pass
+// (burn-autodiff calls the hook on it); the state that holds it is behind a mutex only so that
+// the model can move between threads *between* backward passes.
+unsafe impl<B: Backend> Send for PendingGrad<B> {}
 
 /// A bucket handed to the model's communication queue: written back into the gradient
 /// container when backward ends (the pointers stay valid until then, see `PendingGrad`).
 pub(crate) struct InFlight<B: Backend> {
-    bucket: Vec<PendingGrad<B>>,
-    layout: Layout<B>,
-    work: Work<Host>,
-}
-
-/// Reduces a bucket: on the model's communication queue when it has one (backward goes on;
-/// the results are written back when it ends), else now.
-fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
-    if bucket.is_empty() {
-        return;
-    }
-    // SAFETY: see `PendingGrad`: each pointer is valid and not aliased while we hold it.
-    let grads = bucket
-        .iter()
-        .map(|p| (unsafe { (*p.ptr).clone() }, p.shape.clone()))
-        .collect();
-    with_kind(MemKind::Comm, || match (prepare(m, grads), &m.queue) {
-        (Prepared::Send(layout, send), Some(queue)) => {
-            let across = m.replicate_group.clone();
-            let work = crate::account::on_queue(queue, "gradient reduction", move |g| {
-                with_kind(MemKind::Comm, || communicate(g, across.as_deref(), send))
-            });
-            m.lock().in_flight.push(InFlight {
-                bucket,
-                layout,
-                work,
-            });
-        }
-        (prepared, _) => put_back(&bucket, complete(m, prepared)),
-    });
-}
-
-/// Waits for the model's buckets in flight, in order, and writes their results back.
-fn land<B: Backend>(m: &ModelState<B>) {
-    let in_flight = std::mem::take(&mut m.lock().in_flight);
-    for f in in_flight {
-        let out = waiting(|| f.work.wait());
-        let reduced = with_kind(MemKind::Comm, || finish(m, &f.layout, out));
-        put_back(&f.bucket, reduced);
-    }
-}
-
-fn put_back<B: Backend>(bucket: &[PendingGrad<B>], reduced: Vec<ShardTensor<B>>) {
-    for (p, reduced) in bucket.iter().zip(reduced) {
-        // SAFETY: as in `flush`.
-        unsafe { *p.ptr = reduced };
-    }
+    pub bucket: Vec<PendingGrad<B>>,
+    pub layout: Layout<B>,
+    pub work: Work<Host>,
 }
 
 /// Reduces whole gradients (in their order, identical on every rank) as the model's strategy
 /// says: averaged whole tensors for DDP, this rank's averaged shards otherwise. Blocking.
 pub(crate) fn reduce<B: Backend>(
-    m: &ModelState<B>,
+    r: Reduction<'_>,
     grads: Vec<(ShardTensor<B>, Shape)>,
 ) -> Vec<ShardTensor<B>> {
-    complete(m, prepare(m, grads))
+    complete(r, prepare(r, grads, true))
 }
 
 /// A prepared bucket's results, communicating on this thread if needed.
-fn complete<B: Backend>(m: &ModelState<B>, prepared: Prepared<B>) -> Vec<ShardTensor<B>> {
+pub(crate) fn complete<B: Backend>(r: Reduction<'_>, prepared: Prepared<B>) -> Vec<ShardTensor<B>> {
     match prepared {
         Prepared::Done(reduced) => reduced,
         Prepared::Send(layout, send) => {
-            let out =
-                waiting(|| communicate(m.shard_group.as_ref(), m.replicate_group.as_deref(), send));
-            finish(m, &layout, out)
+            let out = waiting(|| communicate(r.shard.as_ref(), r.across.map(|a| a.as_ref()), send));
+            finish(r, &layout, out)
         }
     }
 }
 
 /// A bucket read to the host and laid out for its collective.
-enum Prepared<B: Backend> {
+pub(crate) enum Prepared<B: Backend> {
     /// Nothing to communicate (one rank): the results.
     Done(Vec<ShardTensor<B>>),
     /// The buffer to reduce, and how to read the result.
@@ -215,10 +103,14 @@ pub(crate) enum Outgoing {
     ReduceScatter { send: Host, chunk: usize },
 }
 
-fn prepare<B: Backend>(m: &ModelState<B>, grads: Vec<(ShardTensor<B>, Shape)>) -> Prepared<B> {
-    let group = &m.shard_group;
-    let strategy = m.config.strategy;
-    if group.world_size() == 1 && m.replicate_group.is_none() {
+pub(crate) fn prepare<B: Backend>(
+    r: Reduction<'_>,
+    grads: Vec<(ShardTensor<B>, Shape)>,
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] on_this_thread: bool,
+) -> Prepared<B> {
+    let group = r.shard;
+    let strategy = r.strategy;
+    if group.world_size() == 1 && r.across.is_none() {
         // Nothing to reduce: the gradients are already whole and final; a ZeRO strategy's
         // "shard" of a one-rank group is the whole tensor, so only the layout changes.
         return Prepared::Done(
@@ -227,7 +119,7 @@ fn prepare<B: Backend>(m: &ModelState<B>, grads: Vec<(ShardTensor<B>, Shape)>) -
                 .map(|(g, _)| {
                     let whole = local(g);
                     if strategy.shards_optimizer() {
-                        ShardTensor::Sharded(slice_local::<B>(whole, group))
+                        ShardTensor::Sharded(slice_local::<B>(whole, group, flat()))
                     } else {
                         ShardTensor::Local(whole)
                     }
@@ -239,22 +131,16 @@ fn prepare<B: Backend>(m: &ModelState<B>, grads: Vec<(ShardTensor<B>, Shape)>) -
     let inner: Vec<B::FloatTensorPrimitive> = grads.into_iter().map(|(g, _)| local(g)).collect();
     // Reduced in the policy's reduce dtype, handed back in the gradients' own.
     let dtype = inner[0].dtype();
-    let reduce = crate::precision::active().reduce;
-    let inner: Vec<B::FloatTensorPrimitive> = inner
-        .into_iter()
-        .map(|g| crate::precision::narrow::<B>(g, reduce))
-        .collect();
+    let reduce = scope::precision().reduce;
+    let inner: Vec<B::FloatTensorPrimitive> =
+        inner.into_iter().map(|g| narrow::<B>(g, reduce)).collect();
     #[cfg(feature = "cuda")]
-    if m.queue.is_none() {
+    if on_this_thread {
         let on_device: Vec<_> = inner.iter().cloned().zip(shapes.iter().cloned()).collect();
-        if let Some(done) = crate::on_device::reduce(m, &on_device) {
+        if let Some(done) = super::on_device::reduce(r, &on_device) {
             return Prepared::Done(
                 done.into_iter()
-                    .map(|t| {
-                        crate::ops::policy::unary(t, move |g| {
-                            crate::precision::widen::<B>(g, dtype)
-                        })
-                    })
+                    .map(|t| unary(t, move |g| widen::<B>(g, dtype)))
                     .collect(),
             );
         }
@@ -295,7 +181,7 @@ fn prepare<B: Backend>(m: &ModelState<B>, grads: Vec<(ShardTensor<B>, Shape)>) -
 
 /// Runs a bucket's collective(s) on `group` (the model's shard group, or its queue's
 /// sub-group), then across replicas: the reduced buffer.
-fn communicate(
+pub(crate) fn communicate(
     group: &dyn ProcessGroup,
     across: Option<&dyn ProcessGroup>,
     send: Outgoing,
@@ -318,12 +204,12 @@ fn communicate(
 }
 
 /// The reduced gradients (whole, or this rank's shards) from a bucket's reduced buffer.
-fn finish<B: Backend>(
-    m: &ModelState<B>,
+pub(crate) fn finish<B: Backend>(
+    r: Reduction<'_>,
     layout: &Layout<B>,
     out: kiln_comm::Result<Host>,
 ) -> Vec<ShardTensor<B>> {
-    let group = &m.shard_group;
+    let group = r.shard;
     let out = out.unwrap_or_else(|e| {
         panic!(
             "kiln: rank {} could not reduce a bucket of {} gradients on group '{}': {e}",
@@ -364,7 +250,7 @@ fn finish<B: Backend>(
                 shard,
                 shape: shape.clone(),
                 group: group.clone(),
-                tag: None,
+                ops: flat(),
             })
         })
         .collect()
@@ -413,7 +299,7 @@ impl RankMajor {
     }
 }
 
-fn cat(parts: &[Host]) -> Host {
+pub(crate) fn cat(parts: &[Host]) -> Host {
     let total = parts.iter().map(Host::len).sum();
     let mut out = parts[0].zeros(total);
     let mut offset = 0;

@@ -1,10 +1,14 @@
 //! Making the ranks' models equal when they are sharded: shapes checked, weights broadcast from
 //! rank 0 (or scattered as shards), or fingerprints compared when the caller vouches for them.
 
-use crate::ops::policy::{Host, local, read, slice_local, write};
-use crate::state::{ShardError, buckets};
-use crate::strategy::replace_primitive;
-use crate::{Shard, ShardTensor};
+use super::config::buckets;
+use super::params::{Path, replace_primitive};
+use crate::core::backend::Shard;
+use crate::core::error::ShardError;
+use crate::core::host::{Host, read, slice_local, write};
+use crate::core::ops::local;
+use crate::core::tensor::{ShardTensor, Sharded};
+use crate::features::zero::flat;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId, ParamMapper};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
@@ -12,22 +16,6 @@ use burn_backend::TensorMetadata;
 use kiln_comm::hash::Fnv1a;
 use kiln_comm::{ProcessGroup, ReduceOp, shard_range};
 use std::sync::Arc;
-
-/// A module path while visiting (`blocks.0.attn.weight`).
-#[derive(Debug, Default)]
-pub(crate) struct Path(Vec<String>);
-
-impl Path {
-    pub fn push(&mut self, name: &str) {
-        self.0.push(name.to_string());
-    }
-    pub fn pop(&mut self) {
-        self.0.pop();
-    }
-    pub fn join(&self) -> String {
-        self.0.join(".")
-    }
-}
 
 /// Every rank must hold the same parameters (count and shapes, in order): compared through a
 /// fingerprint all-reduced with max and min.
@@ -242,7 +230,7 @@ impl Scatter {
         let tensor = replace_primitive::<B, AB, D>(tensor, |t| {
             let s = match t {
                 ShardTensor::Sharded(s) => s,
-                t => slice_local::<B>(local(t), shard_group),
+                t => slice_local::<B>(local(t), shard_group, flat()),
             };
             let device = B::float_device(&s.shard);
             let dtype = s.shard.dtype();
@@ -251,11 +239,11 @@ impl Scatter {
                 .recv(host.buf_mut(), 0)
                 .unwrap_or_else(|e| fail(e));
             let len = host.len();
-            ShardTensor::Sharded(crate::Sharded {
+            ShardTensor::Sharded(Sharded {
                 shard: write::<B>(host.into_data([len]), &device, dtype),
                 shape: s.shape,
                 group: s.group,
-                tag: None,
+                ops: flat(),
             })
         });
         (id, tensor, mapper)

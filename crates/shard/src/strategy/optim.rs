@@ -1,10 +1,16 @@
 //! The optimizer side: ZeRO-1/2's slice-step-gather, and global gradient-norm clipping.
 
-use crate::hook::RankMajor;
-use crate::ops::policy::{Host, local, read, slice_local, write};
-use crate::state::{ModelState, buckets};
-use crate::strategy::{Marks, apply_marks, replace_primitive};
-use crate::{Shard, ShardTensor};
+use super::config::buckets;
+use super::params::replace_primitive;
+use super::reduce::RankMajor;
+use super::shard::{Marks, apply_marks};
+use super::state::ModelState;
+use crate::core::backend::Shard;
+use crate::core::host::{Host, read, slice_local, write};
+use crate::core::ops::local;
+use crate::core::scope::waiting;
+use crate::core::tensor::{ShardTensor, Sharded, same_group};
+use crate::features::zero::flat;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::LearningRate;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
@@ -81,7 +87,9 @@ where
 {
     // Parameters change: nothing gathered or registered for prefetching survives the step.
     for m in marks.models() {
-        m.prefetch().invalidate();
+        if let Some(p) = &m.prefetch {
+            p.lock().invalidate();
+        }
     }
     let slices = marks.models().iter().any(|m| slices_params(m));
     let module = if slices {
@@ -95,7 +103,9 @@ where
     }
     let module = apply_marks::<B, AB, M>(module, &marks);
     for m in marks.models() {
-        crate::prefetch::prime(&m);
+        if let Some(p) = &m.prefetch {
+            super::prefetch::prime(p);
+        }
     }
     module
 }
@@ -187,7 +197,7 @@ where
         };
         let (id, tensor, mapper) = param.consume();
         let tensor = replace_primitive::<B, AB, D>(tensor, |t| {
-            ShardTensor::Sharded(slice_local::<B>(local(t), &group))
+            ShardTensor::Sharded(slice_local::<B>(local(t), &group, flat()))
         });
         Param::from_mapped_value(id, tensor, mapper)
     }
@@ -206,7 +216,7 @@ where
     struct Read<'a, B: Backend> {
         marks: &'a Marks<B>,
         model: &'a Arc<ModelState<B>>,
-        shards: Vec<(ParamId, crate::Sharded<B>)>,
+        shards: Vec<(ParamId, Sharded<B>)>,
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Read<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
@@ -248,7 +258,7 @@ where
         }
         let mine = mine.expect("a bucket holds a tensor");
         let mut all = mine.zeros(layout.len());
-        crate::account::waiting(|| group.all_gather(mine.buf(), all.buf_mut())).unwrap_or_else(|e| {
+        waiting(|| group.all_gather(mine.buf(), all.buf_mut())).unwrap_or_else(|e| {
             panic!(
                 "kiln: rank {} could not all-gather a bucket of {} parameters on group '{}': {e}",
                 group.rank(),
@@ -328,7 +338,6 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: AutodiffModule<AB>,
 {
-    use crate::tensor::same_group;
     use kiln_comm::{ProcessGroup, ReduceOp};
     /// Partial sums of squares over one group.
     type Partials<B> = (
@@ -390,14 +399,13 @@ where
     let mut norm_sq = total::<B>(sum.whole);
     for (group, parts) in sum.sharded {
         let mut part = [total::<B>(parts) as f32];
-        crate::account::waiting(|| group.all_reduce((&mut part[..]).into(), ReduceOp::Sum))
-            .unwrap_or_else(|e| {
-                panic!(
-                    "kiln: rank {} could not all-reduce the gradient norm on group '{}': {e}",
-                    group.rank(),
-                    group.name()
-                )
-            });
+        waiting(|| group.all_reduce((&mut part[..]).into(), ReduceOp::Sum)).unwrap_or_else(|e| {
+            panic!(
+                "kiln: rank {} could not all-reduce the gradient norm on group '{}': {e}",
+                group.rank(),
+                group.name()
+            )
+        });
         norm_sq += f64::from(part[0]);
     }
     norm_sq.sqrt()

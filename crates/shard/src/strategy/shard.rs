@@ -1,15 +1,21 @@
 //! `shard`: puts a model under a strategy; `gather_model`: the whole model back; the model's
 //! gradient-sync marks (`remark`, `backward`, `no_sync`, `reduce_gradients`, `release`).
 
-use crate::hook::reduce;
-use crate::ops::policy::{local, slice_local};
-use crate::prefetch::track;
-use crate::state::{
-    Dynamic, InitSync, ModelState, ShardConfig, ShardError, buckets, id_in_model, model_of,
-    next_seq, unregister, with_sharded_creation,
+use super::config::{InitSync, ShardConfig, Strategy, buckets};
+use super::params::{Path, mark_of, replace_primitive};
+use super::prefetch::{Prefetcher, track};
+use super::reduce::reduce;
+use super::state::{
+    Dynamic, ModelState, id_in_model, model_of, next_seq, unregister, with_sharded_creation,
 };
-use crate::sync::{self, Path, Scatter};
-use crate::{Shard, ShardTensor, Strategy};
+use super::sync::{self, Scatter};
+use crate::core::backend::Shard;
+use crate::core::error::ShardError;
+use crate::core::host::slice_local;
+use crate::core::ops::local;
+use crate::core::scope;
+use crate::core::tensor::ShardTensor;
+use crate::features::zero::flat;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -71,7 +77,7 @@ where
         }
         _ => (group.clone(), None),
     };
-    crate::account::attribute_to_rank(group.rank());
+    scope::attribute_to_rank(group.rank());
     sync::check_shapes(&module, group.as_ref())?;
     let seed = sync::job_seed(group.as_ref())?;
     let over_ranks = group.world_size() > 1;
@@ -95,8 +101,11 @@ where
     let queue = (config.overlap
         && shard_group.world_size() > 1
         && matches!(shard_group.backend(), "local" | "tcp"))
-    .then(|| kiln_comm::CommQueue::new(shard_group.as_ref()))
+    .then(|| kiln_comm::CommQueue::new(shard_group.as_ref()).map(Arc::new))
     .transpose()?;
+    let prefetch = queue
+        .as_ref()
+        .map(|q| Prefetcher::new(q.clone(), config.prefetch_bytes));
     let state = Arc::new(ModelState {
         seq: next_seq(),
         world_rank: group.rank(),
@@ -105,7 +114,7 @@ where
         config,
         dynamic: Mutex::new(Dynamic::default()),
         queue,
-        prefetch: Mutex::default(),
+        prefetch,
     });
     let mut mapper = Sharder::<B> {
         state,
@@ -141,40 +150,6 @@ where
     module.map(&mut Gatherer::<B>(std::marker::PhantomData))
 }
 
-/// The gradient-sync id a parameter tensor is marked with, if any.
-pub(crate) fn mark_of<AB: AutodiffBackend, const D: usize>(
-    t: &Tensor<AB, D>,
-) -> Option<DistributedParamId> {
-    match t.clone().into_primitive() {
-        TensorPrimitive::Float(p) => AB::distributed_params(&p).map(|p| p.param_id),
-        TensorPrimitive::QFloat(_) => None,
-    }
-}
-
-/// Replaces a parameter's inner primitive, keeping it a leaf with its `require_grad` and
-/// gradient-sync mark.
-pub(crate) fn replace_primitive<B, AB, const D: usize>(
-    tensor: Tensor<AB, D>,
-    f: impl FnOnce(ShardTensor<B>) -> ShardTensor<B>,
-) -> Tensor<AB, D>
-where
-    B: Backend,
-    AB: AutodiffBackend<InnerBackend = Shard<B>>,
-{
-    let require_grad = tensor.is_require_grad();
-    let mark = mark_of(&tensor);
-    let inner = tensor.inner().into_primitive().tensor();
-    let inner = Tensor::<Shard<B>, D>::from_primitive(TensorPrimitive::Float(f(inner)));
-    let mut out = Tensor::<AB, D>::from_inner(inner);
-    if require_grad {
-        out = out.require_grad();
-    }
-    if let Some(mark) = mark {
-        out = out.set_distributed(mark);
-    }
-    out
-}
-
 struct Sharder<B: Backend> {
     state: Arc<ModelState<B>>,
     path: Path,
@@ -205,7 +180,7 @@ where
         let seed = self.seed ^ kiln_comm::hash::fnv1a(path.as_bytes());
         let lazy = !param.is_initialized();
         let create_sharded = |param: Param<Tensor<AB, D>>| {
-            with_sharded_creation(group.clone(), seed, || param.consume())
+            with_sharded_creation::<B, _>(group.clone(), seed, || param.consume())
         };
         let (id, tensor, mapper) = match &mut self.scatter {
             Some(scatter) => scatter.param::<B, AB, D>(param, &path, lazy, &group, create_sharded),
@@ -220,11 +195,16 @@ where
                 ShardTensor::Sharded(s) if shard_params && s.group.name() == group.name() => {
                     ShardTensor::Sharded(s)
                 }
-                t if shard_params => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
+                t if shard_params => {
+                    ShardTensor::Sharded(slice_local::<B>(local(t), &group, flat()))
+                }
                 t => ShardTensor::Local(local(t)),
             };
             match mark {
-                Some(mark) => track(&self.state, mark, t),
+                Some(mark) => match &self.state.prefetch {
+                    Some(p) => track(p, mark, t),
+                    None => t,
+                },
                 None => t,
             }
         });
@@ -239,7 +219,9 @@ where
             let inner = t.inner().into_primitive().tensor();
             let inner = match inner {
                 ShardTensor::Sharded(s) if shard_params => ShardTensor::Sharded(s),
-                t if shard_params => ShardTensor::Sharded(slice_local::<B>(local(t), &group)),
+                t if shard_params => {
+                    ShardTensor::Sharded(slice_local::<B>(local(t), &group, flat()))
+                }
                 t => ShardTensor::Local(local(t)),
             };
             let mut out =
@@ -369,9 +351,11 @@ where
             match self.0.get(param.id) {
                 Some((mark, model)) => {
                     let (id, mut tensor, mapper) = param.consume();
-                    if model.queue.is_some() && model.config.strategy.shards_params() {
+                    if let Some(p) = &model.prefetch
+                        && model.config.strategy.shards_params()
+                    {
                         // The new shard is the value prefetches read from now on.
-                        tensor = replace_primitive::<B, AB, D>(tensor, |t| track(model, *mark, t));
+                        tensor = replace_primitive::<B, AB, D>(tensor, |t| track(p, *mark, t));
                     }
                     Param::from_mapped_value(id, tensor.set_distributed(*mark), mapper)
                 }
@@ -513,7 +497,7 @@ where
                 .iter()
                 .map(|(_, _, g)| (g.clone(), burn_backend::TensorMetadata::shape(g)))
                 .collect();
-            let results = reduce(&m, grads);
+            let results = reduce(m.reduction(), grads);
             let mut d = m.lock();
             for ((pid, mark, _), g) in bucket.iter().zip(results) {
                 d.synced.insert(*mark);

@@ -13,19 +13,91 @@
 //! last marked (`shard`, or the optimizer step through `apply_marks`); an optimizer step
 //! starts by forgetting the registered shards and dropping what is in flight, so nothing
 //! gathered before a step is used after it. A parameter replaced otherwise (a plain Burn
-//! optimizer, a user's mapper) has no tag, so its gathers never use a prefetched result.
+//! optimizer, a user's mapper) carries the plain gather, so its gathers never use a prefetched
+//! result.
+//!
+//! How a shard finds its model's queue: a parameter's shard carries [`Tagged`] ops (the
+//! parameter's id and value version, and the model, weakly), which the core calls to gather it.
 
-use crate::ShardTensor;
-use crate::account::{MemKind, with_kind};
-use crate::ops::policy::{Host, all_gather_host, read};
-use crate::precision::{gather_dtype, narrow, narrowed_dtype};
-use crate::state::ModelState;
-use crate::tensor::{ParamTag, Sharded};
+use crate::core::dtype::{gather_dtype, narrow, narrowed_dtype};
+use crate::core::host::{Host, read};
+use crate::core::scope::{MemKind, on_queue, waiting, with_kind};
+use crate::core::tensor::{Prim, ShardOps, ShardTensor, Sharded, ViewOp};
+use crate::features::zero::{all_gather_host, view, whole_from_host};
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::FloatDType;
 use kiln_comm::{CommQueue, Work};
 use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+/// A model's prefetching: its communication queue, the budget of bytes in flight, the state.
+pub(crate) struct Prefetcher<B: Backend> {
+    queue: Arc<CommQueue>,
+    budget: usize,
+    state: Mutex<Prefetch<B>>,
+}
+
+impl<B: Backend> Prefetcher<B> {
+    /// Prefetching on `queue`, up to `budget` bytes of whole parameters in flight.
+    pub fn new(queue: Arc<CommQueue>, budget: usize) -> Arc<Self> {
+        Arc::new(Prefetcher {
+            queue,
+            budget,
+            state: Mutex::default(),
+        })
+    }
+
+    /// The state.
+    pub fn lock(&self) -> MutexGuard<'_, Prefetch<B>> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The ops a parameter's shard carries in a model with a communication queue: its gathers go
+/// through the queue, served by the all-gathers prefetched in the previous step's order.
+pub(crate) struct Tagged<B: Backend> {
+    /// How any other shard of its layout is gathered.
+    base: Arc<dyn ShardOps<B>>,
+    prefetcher: Weak<Prefetcher<B>>,
+    /// The parameter's gradient-sync id.
+    id: DistributedParamId,
+    /// The model's optimizer steps when the value was registered: a prefetch serves only the
+    /// version it was gathered from, so a copy of the model kept from before a step (an EMA, a
+    /// snapshot) never receives newer values.
+    version: u64,
+}
+
+impl<B: Backend> std::fmt::Debug for Tagged<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tagged")
+            .field("id", &self.id)
+            .field("version", &self.version)
+            .finish()
+    }
+}
+
+impl<B: Backend> ShardOps<B> for Tagged<B> {
+    fn gather(&self, s: &Sharded<B>) -> Prim<B> {
+        match self.prefetcher.upgrade() {
+            Some(p) => {
+                let work = gather(&p, self.id, self.version, s);
+                whole_from_host(s, waiting(|| work.wait()))
+            }
+            None => self.base.gather(s),
+        }
+    }
+
+    fn view(&self, s: Sharded<B>, op: ViewOp) -> ShardTensor<B> {
+        view(s, op)
+    }
+
+    fn derived(&self) -> Arc<dyn ShardOps<B>> {
+        self.base.derived()
+    }
+}
 
 /// A model's prefetch state.
 pub(crate) struct Prefetch<B: Backend> {
@@ -105,18 +177,20 @@ impl<B: Backend> Prefetch<B> {
     }
 }
 
-/// `t` as the current value of parameter `mark` of model `m`: the shard of a model with a
-/// communication queue is tagged with the parameter and its version and registered for
-/// prefetching; anything else is unchanged.
+/// `t` as the current value of parameter `mark` of the model `prefetcher` serves: a shard is
+/// tagged with the parameter and its version and registered for prefetching; anything else is
+/// unchanged.
 pub(crate) fn track<B: Backend>(
-    m: &ModelState<B>,
+    prefetcher: &Arc<Prefetcher<B>>,
     mark: DistributedParamId,
     t: ShardTensor<B>,
 ) -> ShardTensor<B> {
     match t {
-        ShardTensor::Sharded(mut s) if m.queue.is_some() => {
-            let mut p = m.prefetch();
-            s.tag = Some(ParamTag {
+        ShardTensor::Sharded(mut s) => {
+            let mut p = prefetcher.lock();
+            s.ops = Arc::new(Tagged {
+                base: s.ops.derived(),
+                prefetcher: Arc::downgrade(prefetcher),
                 id: mark,
                 version: p.version,
             });
@@ -129,21 +203,21 @@ pub(crate) fn track<B: Backend>(
 
 /// The all-gather of parameter `id`'s shard `s` (value `version`) on the model's queue: the
 /// prefetch in flight for it, or issued now; the next parameters are prefetched.
-pub(crate) fn gather<B: Backend>(
-    m: &ModelState<B>,
-    queue: &CommQueue,
+fn gather<B: Backend>(
+    prefetcher: &Prefetcher<B>,
     id: DistributedParamId,
     version: u64,
     s: &Sharded<B>,
 ) -> Work<Host> {
-    let mut p = m.prefetch();
+    let queue = &prefetcher.queue;
+    let mut p = prefetcher.lock();
     if version != p.version {
         // A value from before the last step (a copy kept aside): gathered on its own, and
         // not part of the order.
         drop(p);
         return submit(queue, s, gather_dtype());
     }
-    next(&mut p, queue, id, s, m.config.prefetch_bytes)
+    next(&mut p, queue, id, s, prefetcher.budget)
 }
 
 /// The all-gather of the current value of `id` (prefetched, or issued now), recording the
@@ -202,13 +276,11 @@ fn take_in_flight<B: Backend>(
 
 /// After an optimizer step: the first gathers of the next step are issued at once, from the
 /// new shards (registered by then).
-pub(crate) fn prime<B: Backend>(m: &ModelState<B>) {
-    if let Some(queue) = &m.queue {
-        let mut p = m.prefetch();
-        p.pos = None;
-        p.issued = 0;
-        issue_next(&mut p, queue, m.config.prefetch_bytes, gather_dtype());
-    }
+pub(crate) fn prime<B: Backend>(prefetcher: &Prefetcher<B>) {
+    let mut p = prefetcher.lock();
+    p.pos = None;
+    p.issued = 0;
+    issue_next(&mut p, &prefetcher.queue, prefetcher.budget, gather_dtype());
 }
 
 /// The longest order recorded.
@@ -252,7 +324,7 @@ fn submit<B: Backend>(queue: &CommQueue, s: &Sharded<B>, dtype: FloatDType) -> W
         Host::from_data(read::<B>(narrow::<B>(s.shard.clone(), dtype)))
     });
     let numel = s.numel();
-    crate::account::on_queue(queue, "all-gather (prefetch)", move |g| {
+    on_queue(queue, "all-gather (prefetch)", move |g| {
         all_gather_host(g, &host, numel)
     })
 }

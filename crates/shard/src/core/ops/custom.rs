@@ -1,15 +1,19 @@
 //! The hand-written exceptions of the forwarding (see `forward.rs` for the rest).
 
-use super::policy::{Host, collective_failed, local, read, view, write};
-use crate::remat::{record, record_compute};
-use crate::tensor::ViewOp;
-use crate::{Shard, ShardTensor};
+use super::policy::{local, record, record_compute, view};
+use crate::core::backend::Shard;
+use crate::core::host::{Host, collective_failed, read, write};
+use crate::core::scope;
+use crate::core::tensor::{
+    ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad, deferring_weight_grads,
+};
 use burn_backend::ops::*;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
 use burn_backend::tensor::{Device, FloatTensor, IntTensor, QuantizedTensor};
 use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData, TensorMetadata};
 use burn_std::{FloatDType, Shape, Slice};
 use kiln_comm::ReduceOp;
+use std::sync::Arc;
 
 // ----- creation: whole tensors, or only this rank's shard while a lazily initialised
 // parameter is created under ZeRO-3 (`shard` runs the initialiser in that scope) -----
@@ -17,16 +21,21 @@ use kiln_comm::ReduceOp;
 /// This rank's shard of a tensor of `shape` being created, made by `make(len)` (1-D).
 fn created<B: Backend>(
     shape: &Shape,
-    make: impl FnOnce(usize, &mut crate::state::Creation) -> B::FloatTensorPrimitive,
+    make: impl FnOnce(usize, &mut scope::Creation) -> B::FloatTensorPrimitive,
 ) -> Option<FloatTensor<Shard<B>>> {
-    crate::state::creating_sharded(|c| {
+    scope::creating(|c| {
         let len = kiln_comm::shard_len(shape.num_elements(), c.group.world_size(), c.group.rank());
+        let ops = c
+            .ops
+            .downcast_ref::<Arc<dyn ShardOps<B>>>()
+            .expect("a sharded creation for this backend")
+            .clone();
         let shard = make(len, c);
-        ShardTensor::Sharded(crate::Sharded {
+        ShardTensor::Sharded(Sharded {
             shard,
             shape: shape.clone(),
             group: c.group.clone(),
-            tag: None,
+            ops,
         })
     })
 }
@@ -50,7 +59,7 @@ pub(crate) fn float_random<B: Backend>(
 ) -> FloatTensor<Shard<B>> {
     created::<B>(&shape, |len, c| {
         let data = TensorData::random::<f32, _, _>(flat(len), distribution, &mut c.rng);
-        super::policy::write::<B>(data, device, dtype.into())
+        write::<B>(data, device, dtype.into())
     })
     .unwrap_or_else(|| ShardTensor::Local(B::float_random(shape, distribution, device, dtype)))
 }
@@ -103,29 +112,20 @@ pub(crate) fn float_into_data<B: Backend>(
     tensor: FloatTensor<Shard<B>>,
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
     match tensor {
-        ShardTensor::Sharded(s) if crate::state::reading_locally() => B::float_into_data(s.shard),
+        ShardTensor::Sharded(s) if scope::reading_locally() => B::float_into_data(s.shard),
         t => B::float_into_data(local(t)),
     }
 }
 
 pub(crate) fn float_device<B: Backend>(tensor: &FloatTensor<Shard<B>>) -> Device<B> {
-    match tensor {
-        ShardTensor::Local(t) => B::float_device(t),
-        ShardTensor::Sharded(s) => B::float_device(&s.shard),
-        ShardTensor::View(v) => B::float_device(&v.base.shard),
-        ShardTensor::Remat(h) => h.device(),
-        ShardTensor::LowRank(w) => w.device(),
-        ShardTensor::WeightGrad(g) => g.device(),
-    }
+    tensor.device()
 }
 
 pub(crate) fn float_is_require_grad<B: Backend>(tensor: &FloatTensor<Shard<B>>) -> bool {
     match tensor {
         ShardTensor::Local(t) => B::float_is_require_grad(t),
         ShardTensor::Sharded(s) => B::float_is_require_grad(&s.shard),
-        ShardTensor::View(v) => B::float_is_require_grad(&v.base.shard),
-        ShardTensor::Remat(h) => B::float_is_require_grad(&h.value()),
-        ShardTensor::LowRank(_) | ShardTensor::WeightGrad(_) => false,
+        ShardTensor::Deferred(d) => d.is_require_grad(),
     }
 }
 
@@ -194,12 +194,7 @@ fn reduce_all<B: Backend>(
         }
         ShardTensor::Sharded(s) => s,
         // A view may slice or expand: reduce what it shows.
-        v @ (ShardTensor::View(_)
-        | ShardTensor::Remat(_)
-        | ShardTensor::LowRank(_)
-        | ShardTensor::WeightGrad(_)) => {
-            return ShardTensor::Local(local_op(local(v)));
-        }
+        d @ ShardTensor::Deferred(_) => return ShardTensor::Local(local_op(local(d))),
     };
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
@@ -210,7 +205,7 @@ fn reduce_all<B: Backend>(
         local_op(s.shard)
     };
     let mut host = Host::from_data(read::<B>(partial));
-    crate::account::waiting(|| s.group.all_reduce(host.buf_mut(), op))
+    scope::waiting(|| s.group.all_reduce(host.buf_mut(), op))
         .unwrap_or_else(|e| collective_failed("all-reduce", &s.shape, s.group.as_ref(), e));
     ShardTensor::Local(write::<B>(
         host.into_data(Shape::from(vec![1])),
@@ -389,15 +384,20 @@ impl<B: Backend> TransactionOps<Self> for Shard<B> {
     }
 }
 
-/// `Linear`'s forward: on a LoRA weight, PEFT's factored form (see [`crate::lowrank`]).
+/// `Linear`'s forward: a deferred weight may compute it without being formed (a LoRA
+/// weight: PEFT's factored form).
 pub(crate) fn linear<B: Backend>(
     x: FloatTensor<Shard<B>>,
     weight: FloatTensor<Shard<B>>,
     bias: Option<FloatTensor<Shard<B>>>,
 ) -> FloatTensor<Shard<B>> {
-    if let ShardTensor::LowRank(w) = weight {
-        return crate::lowrank::linear::<B>(x, w, bias);
-    }
+    let (x, bias) = match &weight {
+        ShardTensor::Deferred(w) => match w.clone().linear(x, bias) {
+            Ok(y) => return y,
+            Err(args) => args,
+        },
+        _ => (x, bias),
+    };
     let has_bias = bias.is_some();
     let mut inputs = vec![x, weight];
     inputs.extend(bias);
@@ -411,28 +411,33 @@ pub(crate) fn linear<B: Backend>(
     })
 }
 
-/// `Linear`'s input gradient: on a LoRA weight, through the factors and the dropout mask.
+/// `Linear`'s input gradient: a deferred weight may compute it without being formed.
 pub(crate) fn linear_x_backward<B: Backend>(
     weight: FloatTensor<Shard<B>>,
     output_grad: FloatTensor<Shard<B>>,
 ) -> FloatTensor<Shard<B>> {
-    if let ShardTensor::LowRank(w) = weight {
-        return crate::lowrank::linear_x_backward::<B>(w, output_grad);
-    }
+    let output_grad = match &weight {
+        ShardTensor::Deferred(w) => match w.clone().linear_x_backward(output_grad) {
+            Ok(dx) => return dx,
+            Err(dy) => dy,
+        },
+        _ => output_grad,
+    };
     record(vec![weight, output_grad], move |t| {
         let mut t = t.into_iter();
         B::linear_x_backward(t.next().expect("input"), t.next().expect("input"))
     })
 }
 
-/// `Linear`'s weight gradient: deferred while LoRA weights are alive, so that a LoRA weight's
-/// op turns `x` and `dy` into its adapters' gradients without forming `Σ xᵀ dy`.
+/// `Linear`'s weight gradient: deferred ([`WeightGrad`]) while some layer asks for it, so
+/// that a LoRA weight's op turns `x` and `dy` into its adapters' gradients without forming
+/// `Σ xᵀ dy`.
 pub(crate) fn linear_weight_backward<B: Backend>(
     x: FloatTensor<Shard<B>>,
     output_grad: FloatTensor<Shard<B>>,
 ) -> FloatTensor<Shard<B>> {
-    if crate::lowrank::deferring() {
-        return crate::lowrank::defer_weight_grad::<B>(x, output_grad);
+    if deferring_weight_grads() {
+        return ShardTensor::Deferred(Arc::new(WeightGrad { x, dy: output_grad }));
     }
     record(vec![x, output_grad], move |t| {
         let mut t = t.into_iter();

@@ -2,7 +2,7 @@
 //! Rematerialization, Kirisame et al., ICLR 2021, simplified).
 //!
 //! Inside a recording scope (a step's forward under [`StepConfig::remat_budget`]), every float
-//! op the decorator runs on whole tensors returns a [`ShardTensor::Remat`] handle on a [`Cell`]
+//! op the decorator runs on whole tensors returns a [`Handle`] (a deferred value) on a [`Cell`]
 //! that holds the value *and how to compute it again*: the inner backend's op, its non-tensor
 //! arguments, and its inputs (other cells, or tensors kept as they are: inputs, parameters and
 //! their shards, random draws). Autodiff keeps these handles for backward like any tensor.
@@ -28,9 +28,9 @@
 //!
 //! [`StepConfig::remat_budget`]: crate::StepConfig::remat_budget
 
-use crate::ShardTensor;
-use crate::account::{MemKind, with_kind};
-use crate::ops::policy::local;
+use crate::core::ops::{Cost, InnerOp, Recorder, local};
+use crate::core::scope::{self, AnyArc, MemKind, Set, with_kind};
+use crate::core::tensor::{Deferred, ShardTensor};
 use burn_backend::{Backend, BackendTypes, DType, TensorMetadata};
 use burn_std::Shape;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 type Prim<B> = <B as BackendTypes>::FloatTensorPrimitive;
-type Op<B> = Arc<dyn Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync>;
+type Op<B> = InnerOp<B>;
 
 /// One recorded tensor: its value while resident, and its recipe.
 pub(crate) struct Cell<B: Backend> {
@@ -53,8 +53,6 @@ pub(crate) struct Cell<B: Backend> {
     /// collective).
     cost: u64,
     last_use: AtomicU64,
-    /// Live [`Handle`]s (recipes of children hold the cell without counting).
-    handles: AtomicUsize,
     /// Whether the value was computed again (rather than kept from forward).
     recomputed: std::sync::atomic::AtomicBool,
     pool: Arc<Pool>,
@@ -68,26 +66,17 @@ enum Parent<B: Backend> {
     Kept(ShardTensor<B>),
 }
 
-/// A counted reference to a [`Cell`]: what [`ShardTensor::Remat`] holds.
+/// What a recorded tensor is to the ops: a deferred value on a [`Cell`]. Shared by every
+/// clone of the tensor; when the last goes, only children's recipes name the cell, and its
+/// value is given up.
 pub struct Handle<B: Backend> {
     cell: Arc<Cell<B>>,
-}
-
-impl<B: Backend> Clone for Handle<B> {
-    fn clone(&self) -> Self {
-        self.cell.handles.fetch_add(1, Relaxed);
-        Handle {
-            cell: self.cell.clone(),
-        }
-    }
 }
 
 impl<B: Backend> Drop for Handle<B> {
     fn drop(&mut self) {
         // Nothing but children's recipes names the value any more: keep only the recipe.
-        if self.cell.handles.fetch_sub(1, Relaxed) == 1 {
-            self.cell.evict();
-        }
+        self.cell.evict();
     }
 }
 
@@ -121,9 +110,27 @@ impl<B: Backend> Handle<B> {
         // that backward will read.
         Handle::touch(&self.cell)
     }
-    /// The inner device (reads the value).
-    pub(crate) fn device(&self) -> B::Device {
-        B::float_device(&self.value())
+}
+
+impl<B: Backend> Deferred<B> for Handle<B> {
+    fn shape(&self) -> Shape {
+        self.cell.shape.clone()
+    }
+    fn dtype(&self) -> DType {
+        self.cell.dtype
+    }
+    /// Reads the value.
+    fn device(&self) -> B::Device {
+        B::float_device(&Handle::value(self))
+    }
+    fn value(&self) -> Prim<B> {
+        Handle::value(self)
+    }
+    fn held_bytes(&self) -> usize {
+        self.cell.shape.num_elements() * self.cell.dtype.size()
+    }
+    fn is_require_grad(&self) -> bool {
+        B::float_is_require_grad(&Handle::value(self))
     }
 }
 
@@ -356,14 +363,15 @@ impl Pool {
     }
 }
 
-thread_local! {
-    /// The pool recording this thread's ops, inside [`recording`].
-    static RECORDING: std::cell::RefCell<Option<Arc<Pool>>> = const { std::cell::RefCell::new(None) };
+/// Runs `f` with this thread's whole-tensor float ops on backend `B` recorded into `pool`.
+pub fn recording<B: Backend, R>(pool: &Arc<Pool>, f: impl FnOnce() -> R) -> R {
+    scope::with(Set::Recorder(Some(recorder::<B>(pool))), f)
 }
 
-/// Runs `f` with this thread's whole-tensor float ops recorded into `pool`.
-pub fn recording<R>(pool: &Arc<Pool>, f: impl FnOnce() -> R) -> R {
-    with_pool(Some(pool.clone()), f)
+/// `pool` as the scope's recorder for backend `B` (what [`recording`] installs).
+pub fn recorder<B: Backend>(pool: &Arc<Pool>) -> AnyArc {
+    let r: Arc<dyn Recorder<B>> = Arc::new(Records(pool.clone()));
+    Arc::new(r)
 }
 
 /// Runs `f` with this thread's ops not recorded (their results are plain tensors, kept as
@@ -371,71 +379,30 @@ pub fn recording<R>(pool: &Arc<Pool>, f: impl FnOnce() -> R) -> R {
 /// weights dequantised from a 4-bit base, whose chains of lookups and layout ops would
 /// otherwise fill the pool with cells for one weight each.
 pub fn not_recording<R>(f: impl FnOnce() -> R) -> R {
-    with_pool(None, f)
+    scope::with(Set::Recorder(None), f)
 }
 
-/// Runs `f` with `pool` as this thread's recording pool, restoring the one before after it
-/// (even when `f` unwinds).
-fn with_pool<R>(pool: Option<Arc<Pool>>, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<Arc<Pool>>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            RECORDING.with(|r| *r.borrow_mut() = self.0.take());
-        }
+/// A pool as the core's [`Recorder`].
+struct Records(Arc<Pool>);
+
+impl<B: Backend> Recorder<B> for Records {
+    fn record(&self, cost: Cost, inputs: Vec<ShardTensor<B>>, op: InnerOp<B>) -> ShardTensor<B> {
+        record_as(&self.0, cost, inputs, op)
     }
-    let before = RECORDING.with(|r| std::mem::replace(&mut *r.borrow_mut(), pool));
-    let _restore = Restore(before);
-    f()
 }
 
-/// How an op's cost grows, for the eviction policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Cost {
-    /// Proportional to the elements read and written (elementwise, layout, reductions).
-    Memory,
-    /// A contraction over the first input's last dimension (matmul, linear, convolution):
-    /// output elements x that dimension.
-    Compute,
-}
-
-/// Runs the inner op `op` on `inputs` (whole tensors: shards are gathered): recorded as a
-/// [`ShardTensor::Remat`] inside [`recording`], a plain `Local` result otherwise.
-pub(crate) fn record<B: Backend>(
-    inputs: Vec<ShardTensor<B>>,
-    op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
-) -> ShardTensor<B> {
-    record_as(Cost::Memory, inputs, op)
-}
-
-/// [`record`] of a contraction ([`Cost::Compute`]).
-pub(crate) fn record_compute<B: Backend>(
-    inputs: Vec<ShardTensor<B>>,
-    op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
-) -> ShardTensor<B> {
-    // The policy is taken when the op is recorded, so that a recomputation (in backward)
-    // rounds its inputs exactly as the first run did.
-    let policy = crate::precision::active();
-    if policy.compute == burn_std::FloatDType::F32 {
-        return record_as(Cost::Compute, inputs, op);
-    }
-    record_as(Cost::Compute, inputs, move |v| {
-        crate::precision::lowered::<B>(policy, v, &op)
-    })
-}
-
+/// Runs `op` on `inputs` and records the result as a cell of `pool`.
 fn record_as<B: Backend>(
+    pool: &Arc<Pool>,
     kind: Cost,
     inputs: Vec<ShardTensor<B>>,
-    op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
+    op: Op<B>,
 ) -> ShardTensor<B> {
-    let Some(pool) = RECORDING.with(|r| r.borrow().clone()) else {
-        return ShardTensor::Local(op(inputs.into_iter().map(local).collect()));
-    };
     let mut parents = Vec::with_capacity(inputs.len());
     let mut values: Vec<Prim<B>> = Vec::with_capacity(inputs.len());
     for t in inputs {
-        match t {
-            ShardTensor::Remat(h) => {
+        match t.deferred::<Handle<B>>() {
+            Some(h) => {
                 parents.push(Parent::Cell(h.cell.clone()));
                 // Read before the handle goes (a read through a handle: it counts as a use):
                 // when it is the last one, dropping it gives the cell's value up (only the new
@@ -443,8 +410,9 @@ fn record_as<B: Backend>(
                 // Flex may then reuse in place. Dropping it first would throw the value away
                 // and compute it again at once.
                 values.push(h.value());
+                drop((h, t));
             }
-            t => {
+            None => {
                 let kept = Parent::Kept(t);
                 values.push(kept.value());
                 parents.push(kept);
@@ -466,13 +434,12 @@ fn record_as<B: Backend>(
     let cell = Arc::new(Cell {
         value: Mutex::new(Some(v)),
         parents,
-        op: Arc::new(op),
+        op,
         shape,
         dtype,
         bytes,
         cost,
         last_use: AtomicU64::new(pool.tick()),
-        handles: AtomicUsize::new(1),
         recomputed: std::sync::atomic::AtomicBool::new(false),
         pool: pool.clone(),
     });
@@ -480,7 +447,7 @@ fn record_as<B: Backend>(
     let weak: Weak<dyn Evictable> = Arc::downgrade(&(cell.clone() as Arc<dyn Evictable>));
     pool.register(weak);
     pool.enforce(Some(Arc::as_ptr(&cell) as *const ()), false);
-    ShardTensor::Remat(Handle { cell })
+    ShardTensor::Deferred(Arc::new(Handle { cell }))
 }
 
 /// Adds the time since `.1` to `.0` when dropped.
@@ -499,6 +466,7 @@ mod tests {
     use burn::tensor::{Tensor, TensorData};
 
     type K = crate::Shard<burn::backend::Flex>;
+    type F = burn::backend::Flex;
 
     /// A chain of ops that each consume the last handle on their input (no autodiff keeps
     /// anything): under a budget nothing exceeds, nothing is computed twice and every
@@ -508,7 +476,7 @@ mod tests {
         let pool = Pool::new(usize::MAX);
         let device = Default::default();
         let x = Tensor::<K, 2>::from_data(TensorData::new(vec![0.5f32; 64], [8, 8]), &device);
-        let (y, held, stats) = recording(&pool, || {
+        let (y, held, stats) = recording::<F, _>(&pool, || {
             let y = ((x + 1.0) * 2.0).exp().sum_dim(1).sqrt();
             (y, pool.held(), pool.stats())
         });

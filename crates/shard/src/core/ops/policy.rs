@@ -1,0 +1,168 @@
+//! How float tensors pass through the decorator: shard-local, gathered, or run whole (and then
+//! recorded, when the scope holds a [`Recorder`]).
+
+use crate::core::dtype::lowered;
+use crate::core::host::slice_local;
+use crate::core::scope;
+use crate::core::tensor::{Elementwise, Prim, ShardTensor, ViewOp};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, TensorMetadata, TensorPrimitive};
+use burn_std::FloatDType;
+use std::sync::Arc;
+
+/// The whole tensor as an inner tensor: a shard gathered, a deferred value formed (the copy
+/// is dropped after use).
+pub(crate) fn local<B: Backend>(t: FloatTensor<crate::Shard<B>>) -> B::FloatTensorPrimitive {
+    match t {
+        ShardTensor::Local(t) => t,
+        ShardTensor::Sharded(s) => s.gather(),
+        ShardTensor::Deferred(d) => d.value(),
+    }
+}
+
+/// A layout op: on a whole tensor, applied now; on a shard, as the shard's ops say (deferred,
+/// so that no whole parameter outlives the op that uses it); on a deferred value, deferred too
+/// if it can be.
+pub(crate) fn view<B: Backend>(t: ShardTensor<B>, op: ViewOp) -> ShardTensor<B> {
+    match t {
+        ShardTensor::Sharded(s) => {
+            let ops = s.ops.clone();
+            ops.view(s, op)
+        }
+        ShardTensor::Deferred(d) => match d.layout(&op) {
+            Some(t) => t,
+            None => record(vec![ShardTensor::Deferred(d)], move |mut t| {
+                op.apply::<B>(t.remove(0))
+            }),
+        },
+        t => record(vec![t], move |mut t| op.apply::<B>(t.remove(0))),
+    }
+}
+
+pub(crate) fn local_primitive<B: Backend>(
+    t: TensorPrimitive<crate::Shard<B>>,
+) -> TensorPrimitive<B> {
+    match t {
+        TensorPrimitive::Float(t) => TensorPrimitive::Float(local(t)),
+        TensorPrimitive::QFloat(q) => TensorPrimitive::QFloat(q),
+    }
+}
+
+pub(crate) fn local_wrap_primitive<B: Backend>(
+    t: TensorPrimitive<B>,
+) -> TensorPrimitive<crate::Shard<B>> {
+    match t {
+        TensorPrimitive::Float(t) => TensorPrimitive::Float(ShardTensor::Local(t)),
+        TensorPrimitive::QFloat(q) => TensorPrimitive::QFloat(q),
+    }
+}
+
+/// An elementwise op on one tensor: a shard stays a shard.
+pub(crate) fn unary<B: Backend>(
+    t: ShardTensor<B>,
+    f: impl Fn(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive + Send + Sync + 'static,
+) -> ShardTensor<B> {
+    match t {
+        ShardTensor::Sharded(s) => ShardTensor::Sharded(s.map(f)),
+        ShardTensor::Deferred(d) => {
+            let f: Elementwise<B> = Arc::new(f);
+            match d.elementwise(&f) {
+                Some(t) => t,
+                None => record(vec![ShardTensor::Deferred(d)], move |mut t| f(t.remove(0))),
+            }
+        }
+        t => record(vec![t], move |mut t| f(t.remove(0))),
+    }
+}
+
+/// An elementwise op on two tensors. Shard by shard when both are laid out alike, or when one
+/// is a shard and the other a whole tensor of the same shape (sliced locally: this is how
+/// ZeRO-1/2's replicated parameters meet their sharded gradients); otherwise (broadcasting,
+/// different groups) both are gathered.
+pub(crate) fn binary<B: Backend>(
+    a: ShardTensor<B>,
+    b: ShardTensor<B>,
+    f: impl Fn(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive
+    + Send
+    + Sync
+    + 'static,
+) -> ShardTensor<B> {
+    match (a, b) {
+        (ShardTensor::Sharded(a), ShardTensor::Sharded(b)) if a.same_layout(&b) => {
+            ShardTensor::Sharded(a.map(|a| f(a, b.shard)))
+        }
+        (ShardTensor::Sharded(a), ShardTensor::Local(b)) if a.shape == b.shape() => {
+            let b = slice_local::<B>(b, &a.group, a.ops.derived());
+            ShardTensor::Sharded(a.map(|a| f(a, b.shard)))
+        }
+        (ShardTensor::Local(a), ShardTensor::Sharded(b)) if a.shape() == b.shape => {
+            let a = slice_local::<B>(a, &b.group, b.ops.derived());
+            ShardTensor::Sharded(b.map(|b| f(a.shard, b)))
+        }
+        (a, b) => record(vec![a, b], move |mut t| {
+            let b = t.pop().expect("two inputs");
+            f(t.pop().expect("two inputs"), b)
+        }),
+    }
+}
+
+/// How an op's cost grows, for a recorder's eviction policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cost {
+    /// Proportional to the elements read and written (elementwise, layout, reductions).
+    Memory,
+    /// A contraction over the first input's last dimension (matmul, linear, convolution):
+    /// output elements x that dimension.
+    Compute,
+}
+
+/// An inner op on whole inputs, runnable again.
+pub type InnerOp<B> = Arc<dyn Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync>;
+
+/// What runs the whole-tensor ops of a thread while the scope holds it (the remat feature's
+/// pool): it may keep how each result was made, to give the value up and compute it again.
+pub trait Recorder<B: Backend>: Send + Sync {
+    /// Runs `op` on `inputs` (shards are gathered, deferred values formed) and returns the
+    /// result, recorded or not.
+    fn record(&self, cost: Cost, inputs: Vec<ShardTensor<B>>, op: InnerOp<B>) -> ShardTensor<B>;
+}
+
+/// Runs the inner op `op` on `inputs` (whole tensors: shards are gathered): through the scope's
+/// recorder if it holds one, a plain `Local` result otherwise.
+pub(crate) fn record<B: Backend>(
+    inputs: Vec<ShardTensor<B>>,
+    op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
+) -> ShardTensor<B> {
+    run(Cost::Memory, inputs, op)
+}
+
+/// [`record`] of a contraction ([`Cost::Compute`]), run in the policy's compute dtype.
+pub(crate) fn record_compute<B: Backend>(
+    inputs: Vec<ShardTensor<B>>,
+    op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
+) -> ShardTensor<B> {
+    // The policy is taken when the op is recorded, so that a recomputation (in backward)
+    // rounds its inputs exactly as the first run did.
+    let policy = scope::precision();
+    if policy.compute == FloatDType::F32 {
+        return run(Cost::Compute, inputs, op);
+    }
+    run(Cost::Compute, inputs, move |v| lowered::<B>(policy, v, &op))
+}
+
+fn run<B: Backend>(
+    cost: Cost,
+    inputs: Vec<ShardTensor<B>>,
+    op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
+) -> ShardTensor<B> {
+    match recorder::<B>() {
+        Some(r) => r.record(cost, inputs, Arc::new(op)),
+        None => ShardTensor::Local(op(inputs.into_iter().map(local).collect())),
+    }
+}
+
+/// The scope's recorder for this backend.
+fn recorder<B: Backend>() -> Option<Arc<dyn Recorder<B>>> {
+    let any = scope::recorder()?;
+    any.downcast_ref::<Arc<dyn Recorder<B>>>().cloned()
+}
