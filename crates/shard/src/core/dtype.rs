@@ -79,11 +79,6 @@ pub fn dtype_name(d: FloatDType) -> &'static str {
     }
 }
 
-/// The dtype parameters are all-gathered in under the policy in force.
-pub(crate) fn gather_dtype() -> FloatDType {
-    super::scope::precision().compute
-}
-
 /// The dtype a tensor of `dtype` has when narrowed to `to` (only f32 is narrowed: other dtypes
 /// are the model's own choice).
 pub(crate) fn narrowed_dtype(dtype: DType, to: FloatDType) -> DType {

@@ -256,6 +256,16 @@ impl<B: Backend> ShardTensor<B> {
         }
     }
 
+    /// The whole tensor as an inner tensor: a shard gathered (a collective), a deferred value
+    /// formed.
+    pub fn into_whole(self) -> Prim<B> {
+        match self {
+            ShardTensor::Local(t) => t,
+            ShardTensor::Sharded(s) => s.gather(),
+            ShardTensor::Deferred(d) => d.value(),
+        }
+    }
+
     /// The deferred value as its concrete type, if it is one.
     pub fn deferred<T: Deferred<B>>(&self) -> Option<Arc<T>> {
         match self {
@@ -324,9 +334,6 @@ impl<B: Backend> Deferred<B> for WeightGrad<B> {
         self.dy.device()
     }
     fn value(&self) -> Prim<B> {
-        B::linear_weight_backward(
-            super::ops::local(self.x.clone()),
-            super::ops::local(self.dy.clone()),
-        )
+        B::linear_weight_backward(self.x.clone().into_whole(), self.dy.clone().into_whole())
     }
 }

@@ -7,14 +7,19 @@
 //! goes through host buffers. For the per-rank memory counters, the collective's buffers count
 //! as communication and only the whole tensor as a gathered parameter.
 
-use crate::core::dtype::{gather_dtype, narrow, widen};
+use crate::core::dtype::{narrow, widen};
 use crate::core::host::{Host, collective_failed, read, write};
-use crate::core::scope::{MemKind, waiting, with_kind};
+use crate::core::scope::{self, MemKind, waiting, with_kind};
 use crate::core::tensor::{Deferred, Elementwise, Prim, ShardOps, ShardTensor, Sharded, ViewOp};
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_std::Shape;
 use kiln_comm::ProcessGroup;
 use std::sync::Arc;
+
+/// The dtype parameters are all-gathered in under the precision policy in force.
+pub fn gather_dtype() -> burn_std::FloatDType {
+    scope::precision().compute
+}
 
 /// The plain gather: an all-gather over the shard's group.
 #[derive(Debug, Clone, Copy, Default)]
@@ -160,9 +165,14 @@ impl<B: Backend> Deferred<B> for View<B> {
 /// decorator's parity checks on CUDA + NCCL, which go through these paths.
 #[cfg(feature = "cuda")]
 pub mod on_device {
-    use super::*;
-    use burn_std::Slice;
-    use kiln_comm::shard_range;
+    use crate::core::dtype::{narrow, widen};
+    use crate::core::host::collective_failed;
+    use crate::core::scope::waiting;
+    use crate::core::tensor::{Prim, Sharded};
+    use crate::features::zero::gather_dtype;
+    use burn_backend::{Backend, TensorMetadata};
+    use burn_std::{Shape, Slice};
+    use kiln_comm::{ProcessGroup, shard_range};
 
     /// Whether `group` is an NCCL group.
     pub fn is_nccl(group: &dyn ProcessGroup) -> bool {

@@ -21,8 +21,6 @@
 
 pub mod config;
 pub(crate) mod hook;
-#[cfg(feature = "cuda")]
-mod on_device;
 pub mod optim;
 pub(crate) mod params;
 pub mod prefetch;

@@ -19,11 +19,11 @@
 //! How a shard finds its model's queue: a parameter's shard carries [`Tagged`] ops (the
 //! parameter's id and value version, and the model, weakly), which the core calls to gather it.
 
-use crate::core::dtype::{gather_dtype, narrow, narrowed_dtype};
+use crate::core::dtype::{narrow, narrowed_dtype};
 use crate::core::host::{Host, read};
 use crate::core::scope::{MemKind, on_queue, waiting, with_kind};
 use crate::core::tensor::{Prim, ShardOps, ShardTensor, Sharded, ViewOp};
-use crate::features::zero::{all_gather_host, view, whole_from_host};
+use crate::features::zero::{all_gather_host, gather_dtype, view, whole_from_host};
 use burn_backend::distributed::DistributedParamId;
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::FloatDType;

@@ -1,6 +1,7 @@
 //! How float tensors pass through the decorator: shard-local, gathered, or run whole (and then
 //! recorded, when the scope holds a [`Recorder`]).
 
+use crate::core::backend::Shard;
 use crate::core::dtype::lowered;
 use crate::core::host::slice_local;
 use crate::core::scope;
@@ -12,12 +13,8 @@ use std::sync::Arc;
 
 /// The whole tensor as an inner tensor: a shard gathered, a deferred value formed (the copy
 /// is dropped after use).
-pub(crate) fn local<B: Backend>(t: FloatTensor<crate::Shard<B>>) -> B::FloatTensorPrimitive {
-    match t {
-        ShardTensor::Local(t) => t,
-        ShardTensor::Sharded(s) => s.gather(),
-        ShardTensor::Deferred(d) => d.value(),
-    }
+pub(crate) fn local<B: Backend>(t: FloatTensor<Shard<B>>) -> B::FloatTensorPrimitive {
+    t.into_whole()
 }
 
 /// A layout op: on a whole tensor, applied now; on a shard, as the shard's ops say (deferred,
@@ -39,18 +36,14 @@ pub(crate) fn view<B: Backend>(t: ShardTensor<B>, op: ViewOp) -> ShardTensor<B> 
     }
 }
 
-pub(crate) fn local_primitive<B: Backend>(
-    t: TensorPrimitive<crate::Shard<B>>,
-) -> TensorPrimitive<B> {
+pub(crate) fn local_primitive<B: Backend>(t: TensorPrimitive<Shard<B>>) -> TensorPrimitive<B> {
     match t {
         TensorPrimitive::Float(t) => TensorPrimitive::Float(local(t)),
         TensorPrimitive::QFloat(q) => TensorPrimitive::QFloat(q),
     }
 }
 
-pub(crate) fn local_wrap_primitive<B: Backend>(
-    t: TensorPrimitive<B>,
-) -> TensorPrimitive<crate::Shard<B>> {
+pub(crate) fn local_wrap_primitive<B: Backend>(t: TensorPrimitive<B>) -> TensorPrimitive<Shard<B>> {
     match t {
         TensorPrimitive::Float(t) => TensorPrimitive::Float(ShardTensor::Local(t)),
         TensorPrimitive::QFloat(q) => TensorPrimitive::QFloat(q),
