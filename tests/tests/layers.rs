@@ -19,7 +19,10 @@ fn modules(src: &Path) -> BTreeMap<Module, PathBuf> {
     let mut out = BTreeMap::new();
     let mut stack = vec![src.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).expect("a source directory").flatten() {
+        for entry in std::fs::read_dir(&dir)
+            .expect("a source directory")
+            .flatten()
+        {
             let path = entry.path();
             if path.is_dir() {
                 if path.file_name() != Some("bin".as_ref()) {
@@ -297,7 +300,12 @@ fn target<'a>(
 }
 
 /// File-to-file imports of a crate, with the line of the first occurrence.
-fn imports(src: &Path) -> (BTreeMap<Module, PathBuf>, BTreeMap<(PathBuf, PathBuf), usize>) {
+fn imports(
+    src: &Path,
+) -> (
+    BTreeMap<Module, PathBuf>,
+    BTreeMap<(PathBuf, PathBuf), usize>,
+) {
     let mods = modules(src);
     let names = reexports(&mods);
     let mut edges = BTreeMap::new();
@@ -362,7 +370,10 @@ fn crates() -> Vec<PathBuf> {
     let root = workspace();
     let mut out = Vec::new();
     for top in ["crates", "models", "examples"] {
-        for entry in std::fs::read_dir(root.join(top)).expect("a workspace folder").flatten() {
+        for entry in std::fs::read_dir(root.join(top))
+            .expect("a workspace folder")
+            .flatten()
+        {
             if entry.path().join("src").is_dir() {
                 out.push(entry.path());
             }
@@ -405,7 +416,11 @@ fn no_crate_has_an_import_circle_between_its_files() {
 /// A kiln-shard file's layer: 0 core, 1 features, 2 strategies, 3 step and measurement.
 fn layer(src: &Path, file: &Path) -> usize {
     let rel = file.strip_prefix(src).expect("under src");
-    match rel.components().next().map(|c| c.as_os_str().to_string_lossy()) {
+    match rel
+        .components()
+        .next()
+        .map(|c| c.as_os_str().to_string_lossy())
+    {
         Some(c) if c == "core" => 0,
         Some(c) if c == "features" => 1,
         Some(c) if c == "strategy" => 2,

@@ -8,8 +8,9 @@ use burn::tensor::{Int, Tensor, TensorData};
 use kiln::{Flex, Train};
 use kiln_comm::{LocalGroup, OpKind, ProcessGroup, spawn_ranks};
 use kiln_gpt2::Gpt2;
-use kiln_hf::{CausalLm, Pretrained, SafetensorsFile, causal_lm_loss};
+use kiln_hf::{Pretrained, SafetensorsFile};
 use kiln_llama::Llama;
+use kiln_model::{CausalLm, causal_lm_loss};
 use kiln_shard::{LossScale, Precision, ShardConfig, ShardedOptimizer, StepConfig, Strategy};
 use std::sync::{Arc, Mutex};
 
@@ -192,7 +193,8 @@ fn zero3_llama(world: usize, precision: Precision) -> (Vec<f64>, u64, Vec<Vec<f3
         for _ in 0..4 {
             let (m, stats) = kiln_shard::step(model, &mut optim, 1e-2, &config, |m, _| {
                 causal_lm_loss(m.forward(x.clone()), y.clone())
-            });
+            })
+            .expect("a step");
             model = m;
             losses.push(stats.loss);
         }
@@ -281,7 +283,8 @@ fn f16_overflow_is_skipped_on_every_rank_and_recovers() {
             };
             let (m, stats) = kiln_shard::step(model, &mut optim, 1e-2, &config, |m, _| {
                 causal_lm_loss(m.forward(x.clone()), y.clone())
-            });
+            })
+            .expect("a step");
             model = m;
             trained |= !stats.skipped;
             if !trained {

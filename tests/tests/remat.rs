@@ -21,7 +21,7 @@ use kiln::shard::account::{MemKind, RankAlloc};
 use kiln::shard::{ShardConfig, ShardedOptimizer, Strategy, gather_model, shard};
 use kiln::{BalancedCheckpointing, Flex, Kiln, NoCheckpointing, Train};
 use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
-use kiln_hf::causal_lm_loss;
+use kiln_model::causal_lm_loss;
 use std::sync::Arc;
 
 // Counts each rank's activation bytes, to show that remat is on.
@@ -105,7 +105,8 @@ where
         };
         let (m, stats) = kiln::shard::step(model, &mut optim, 1e-2, &config, |m, _| {
             loss(m, rows.clone(), step)
-        });
+        })
+        .expect("a step");
         model = m;
         losses.push(stats.loss);
         activations = stats.memory.expect("counted").peak_of(MemKind::Activations);

@@ -11,7 +11,7 @@ use kiln::shard::account::{MemKind, RankAlloc, RankMemory, param_bytes, record_b
 use kiln::shard::{ShardConfig, ShardedOptimizer, Strategy, shard};
 use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
 use kiln_gpt2::{Gpt2, Gpt2Config};
-use kiln_hf::causal_lm_loss;
+use kiln_model::causal_lm_loss;
 use std::sync::Arc;
 
 #[global_allocator]
@@ -205,7 +205,8 @@ fn a_zero3_step_reports_zero_formula_model_state_and_activations_apart() {
                     1e-3,
                     &Default::default(),
                     |m: &Gpt2<B>, _| causal_lm_loss(m.forward(x.clone()), y.clone()),
-                );
+                )
+                .expect("a step");
                 model = m;
                 last = stats.memory;
             }

@@ -310,8 +310,12 @@ fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
     };
     if kiln_comm::LaunchEnv::launched() {
         let env = kiln_comm::LaunchEnv::from_env()?;
-        let group = kiln_comm::join(&recipe.parallel.backend, &env, GroupOptions::default())
-            .with_context(|| format!("parallel.backend = {:?}", recipe.parallel.backend))?;
+        let group = kiln_comm::join(
+            recipe.parallel.backend.name(),
+            &env,
+            GroupOptions::default(),
+        )
+        .with_context(|| format!("parallel.backend = {:?}", recipe.parallel.backend))?;
         let slot = Slot {
             local_rank: env.local_rank,
             local_world_size: env.local_world_size,

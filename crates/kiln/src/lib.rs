@@ -31,20 +31,29 @@
 //! ```
 #![warn(missing_docs)]
 
+mod parallel;
+
 pub use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
 pub use burn::backend::{Autodiff, Flex};
 pub use kiln_comm as comm;
+pub use kiln_lora as lora;
+pub use kiln_model as model;
+pub use kiln_pipe as pipe;
 pub use kiln_shard as shard;
+pub use parallel::{
+    Adapt, LmStages, Mesh, NoStages, Parallel, ParallelError, ParallelPlan, Remat, Stages, Whole,
+    parallelize, parse_size,
+};
 
 /// kiln's decorators over the inner backend `B` (for inference and as `Autodiff`'s inner).
 pub type Kiln<B> = kiln_shard::Shard<B>;
 
-/// The training stack over the inner backend `B`, with autodiff's checkpointing strategy `C`:
-/// none by default, or Burn's op-level [`BalancedCheckpointing`] (`Train<Flex,
-/// BalancedCheckpointing>`): the outputs of memory-bound ops (elementwise, activations,
-/// layout) are recomputed in backward from kept inputs instead of kept themselves. Every kiln
-/// API (sharding, the gradient hook, [`shard::step`]) works with either.
-pub type Train<B, C = NoCheckpointing> = Autodiff<Kiln<B>, C>;
+/// The training stack over the inner backend `B`, `Autodiff<Kiln<B>, C>`, with autodiff's
+/// checkpointing strategy `C`: none by default, or Burn's op-level [`BalancedCheckpointing`]
+/// (`Train<Flex, BalancedCheckpointing>`): the outputs of memory-bound ops (elementwise,
+/// activations, layout) are recomputed in backward from kept inputs instead of kept
+/// themselves. Every kiln API (sharding, the gradient hook, [`shard::step`]) works with either.
+pub use kiln_shard::Train;
 
 /// Burn's CUDA backend (feature `cuda`).
 #[cfg(feature = "cuda")]

@@ -59,6 +59,9 @@ pub enum LoraError {
     /// Reading or writing a file.
     #[error(transparent)]
     Hf(#[from] kiln_hf::HfError),
+    /// A training step of the verification failed (a collective).
+    #[error(transparent)]
+    Step(#[from] kiln_shard::ShardError),
     /// A file system error.
     #[error("cannot {op} {path}: {source}")]
     Io {

@@ -579,7 +579,7 @@ impl<B: LowRankOps, M: Module<B>> Lora<B, M> {
 }
 
 /// A language model with adapters is a language model: its forward runs on the LoRA weights.
-impl<B: LowRankOps, M: Module<B> + kiln_hf::CausalLm<B>> kiln_hf::CausalLm<B> for Lora<B, M> {
+impl<B: LowRankOps, M: Module<B> + kiln_model::CausalLm<B>> kiln_model::CausalLm<B> for Lora<B, M> {
     fn forward(&self, input_ids: Tensor<B, 2, burn::tensor::Int>) -> Tensor<B, 3> {
         self.merged().forward(input_ids)
     }
@@ -594,12 +594,12 @@ impl<B: LowRankOps, M: Module<B> + kiln_hf::CausalLm<B>> kiln_hf::CausalLm<B> fo
 /// A model with adapters runs in its base's units (for pipeline stages): each unit reads the
 /// base's parameters under `base.`, the adapters of the targets among them (`adapters.i`) and
 /// their QLoRA weights (`quantized.j`), and runs on its own weights merged with their adapters.
-impl<B, M> kiln_hf::Staged<B> for Lora<B, M>
+impl<B, M> kiln_model::Staged<B> for Lora<B, M>
 where
     B: LowRankOps,
-    M: Module<B> + burn::module::ModuleDisplay + kiln_hf::Staged<B>,
+    M: Module<B> + burn::module::ModuleDisplay + kiln_model::Staged<B>,
 {
-    fn units(&self) -> Vec<kiln_hf::Unit> {
+    fn units(&self) -> Vec<kiln_model::Unit> {
         self.base
             .units()
             .into_iter()
@@ -612,7 +612,7 @@ where
                     .filter(|(_, path)| u.uses(path))
                     .map(|(j, _)| format!("quantized.{j}"));
                 let params = base.chain(adapters).chain(quantized).collect();
-                kiln_hf::Unit {
+                kiln_model::Unit {
                     name: u.name.clone(),
                     params,
                 }
@@ -623,8 +623,8 @@ where
     fn forward_units(
         &self,
         units: std::ops::Range<usize>,
-        x: kiln_hf::Carry<B>,
-    ) -> kiln_hf::Carry<B> {
+        x: kiln_model::Carry<B>,
+    ) -> kiln_model::Carry<B> {
         let all = self.base.units();
         let ran = &all[units.clone()];
         self.merged_where(|path| ran.iter().any(|u| u.uses(path)))

@@ -14,7 +14,8 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use kiln_hf::verify::relative_error;
-use kiln_hf::{CausalLm, HfNaming, SafetensorsFile, causal_lm_loss};
+use kiln_hf::{HfNaming, SafetensorsFile};
+use kiln_model::{CausalLm, causal_lm_loss};
 use kiln_shard::{Shard, ShardedOptimizer, StepConfig};
 use std::fmt;
 use std::path::Path;
@@ -166,7 +167,7 @@ where
             move |m: &Lora<AB, M>, _| {
                 causal_lm_loss(m.merged().forward(ids.clone()), labels.clone())
             }
-        });
+        })?;
         model = stepped;
         losses.push((
             format!("step {}", i + 1),

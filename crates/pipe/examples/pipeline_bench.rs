@@ -23,7 +23,7 @@ use kiln::shard::account::{MemKind, RankAlloc, attribute_to_rank};
 use kiln::shard::{ShardedOptimizer, StepConfig};
 use kiln::{Flex, Train};
 use kiln_comm::{LocalGroup, ProcessGroup};
-use kiln_hf::causal_lm_loss;
+use kiln_model::causal_lm_loss;
 use kiln_pipe::{Bubble, Pipeline, PipelineConfig, ScheduleKind, Split, StageTimes, Tally};
 use std::sync::Arc;
 use std::time::Duration;
@@ -124,16 +124,18 @@ fn run_rank(
     let mut activations = 0;
     for step in 0..steps {
         world.barrier().unwrap();
-        let (next, stats, s) = pipe.step(
-            model,
-            &mut optim,
-            1e-3,
-            &StepConfig::default(),
-            |mb| tokens(rows, seq, step, mb, 0),
-            |logits, mb| {
-                causal_lm_loss(logits, tokens(rows, seq, step, mb, 1)).div_scalar(m as f64)
-            },
-        );
+        let (next, stats, s) = pipe
+            .step(
+                model,
+                &mut optim,
+                1e-3,
+                &StepConfig::default(),
+                |mb| tokens(rows, seq, step, mb, 0),
+                |logits, mb| {
+                    causal_lm_loss(logits, tokens(rows, seq, step, mb, 1)).div_scalar(m as f64)
+                },
+            )
+            .expect("a pipelined step");
         model = next;
         if step > 0 {
             tally.add(&s);

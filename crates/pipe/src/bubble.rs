@@ -176,7 +176,7 @@ mod tests {
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::backend::Backend;
     use kiln_comm::{GroupOptions, LocalGroup, run_ranks};
-    use kiln_hf::{Carry, Staged, Unit};
+    use kiln_model::{Carry, Staged, Unit};
     use std::ops::Range;
     use std::sync::Arc;
     use std::time::Duration;

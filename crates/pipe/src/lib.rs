@@ -4,7 +4,7 @@
 //!
 //! # Design
 //! A pipeline needs the order in which a model's parts run; kiln asks the model for it rather
-//! than tracing it: a [`Staged`](kiln_hf::Staged) model lists its units (for kiln's GPT-2 and
+//! than tracing it: a [`Staged`](kiln_model::Staged) model lists its units (for kiln's GPT-2 and
 //! Llama: the embedding, each block, the head) and runs any contiguous range of them. This is
 //! DeepSpeed's `PipelineModule` idea (a layer list) with the model's own code; the model's
 //! `forward` is the chain of all its units, so one device and the pipeline compute the same
@@ -29,7 +29,7 @@
 //!
 //! # Limits
 //! - Between units flows one `[batch, seq, d]` tensor; masks and positions are rebuilt per unit.
-//! - A model is pipelined only if it implements [`Staged`](kiln_hf::Staged).
+//! - A model is pipelined only if it implements [`Staged`](kiln_model::Staged).
 //! - Sends must not wait for the receiver. kiln's groups all keep that promise, NCCL's
 //!   included (its sends are queued, `kiln_comm::Outbox`); the pipeline tests also run over
 //!   [`RendezvousGroup`](kiln_comm::RendezvousGroup), whose channels have NCCL's semantics.
@@ -73,4 +73,7 @@ pub enum PipeError {
     /// A peer sent something that is not a pipeline message.
     #[error("pipeline: {0}")]
     Protocol(String),
+    /// A collective of the step (the gradient norm over the stages) failed.
+    #[error(transparent)]
+    Shard(#[from] kiln_shard::ShardError),
 }

@@ -7,7 +7,7 @@ use crate::PipeError;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor};
 use kiln_comm::{ProcessGroup, ReduceOp};
-use kiln_hf::{Carry, Staged};
+use kiln_model::{Carry, Staged};
 use std::time::Instant;
 
 /// Microseconds each unit's forward and backward take together on `tokens` (a micro-batch of

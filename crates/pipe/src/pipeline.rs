@@ -7,7 +7,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Shape, Tensor, TensorData};
 use kiln_comm::{BufMut, ProcessGroup};
-use kiln_hf::{Carry, Staged};
+use kiln_model::{Carry, Staged};
 use kiln_shard::account::{MemKind, with_kind};
 use kiln_shard::pieces::{piece, update_params, visit_params};
 use kiln_shard::{Shard, StepConfig, StepStats, no_sync, reduce_gradients, remark, step_with};
@@ -222,9 +222,10 @@ impl Pipeline {
     /// `config.accumulate` is ignored (the micro-batches are the pipeline's); gradients are
     /// always reduced once per step, after the schedule.
     ///
-    /// # Panics
-    /// If a send or receive between stages fails (a lost or late peer: the error names the
-    /// stage and what it waited for), or a collective of the step does.
+    /// # Errors
+    /// A send or receive between stages failed (a lost or late peer: the error names the
+    /// stage and what it waited for), or a collective of the step did; ZeRO-3 stages as threads
+    /// of one process without burn-autodiff's fix.
     pub fn step<B, AB, M, O>(
         &self,
         model: M,
@@ -233,15 +234,14 @@ impl Pipeline {
         config: &StepConfig,
         input: impl Fn(usize) -> Tensor<AB, 2, Int>,
         loss: impl Fn(Tensor<AB, 3>, usize) -> Tensor<AB, 1>,
-    ) -> (M, StepStats, PipeStats)
+    ) -> Result<(M, StepStats, PipeStats), PipeError>
     where
         B: Backend,
         AB: AutodiffBackend<InnerBackend = Shard<B>>,
         M: AutodiffModule<AB> + Staged<AB>,
         O: Optimizer<M, AB>,
     {
-        self.check_threads::<B, AB, M>(&model)
-            .unwrap_or_else(|e| panic!("kiln: {e}"));
+        self.check_threads::<B, AB, M>(&model)?;
         let mut stats = PipeStats::default();
         let (model, step) = step_with(
             model,
@@ -250,17 +250,13 @@ impl Pipeline {
             config,
             Some(&*self.group),
             |model, passes| {
-                let (total, grads, s) = self
-                    .backprop::<B, AB, M>(model, passes, &input, &loss)
-                    .unwrap_or_else(|e| panic!("kiln: {e}"));
+                let (total, grads, s) = self.backprop::<B, AB, M>(model, passes, &input, &loss)?;
                 stats = s;
-                (total, grads)
+                Ok::<_, PipeError>((total, grads))
             },
-        );
-        let model = self
-            .copy_shared_values::<B, AB, M>(model)
-            .unwrap_or_else(|e| panic!("kiln: {e}"));
-        (model, step, stats)
+        )?;
+        let model = self.copy_shared_values::<B, AB, M>(model)?;
+        Ok((model, step, stats))
     }
 
     /// Refuses parameters gathered in backward (ZeRO-3, hybrid) when the stages are threads of

@@ -2,7 +2,7 @@
 //! measured cost, or cut at named units.
 
 use crate::PipeError;
-use kiln_hf::Unit;
+use kiln_model::Unit;
 use std::fmt;
 use std::ops::Range;
 

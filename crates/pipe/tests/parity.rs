@@ -18,7 +18,7 @@ use kiln_comm::{
     DeviceMesh, GroupOptions, LocalGroup, MeshShape, ProcessGroup, RendezvousGroup, Sends,
     run_ranks, spawn_ranks,
 };
-use kiln_hf::{Carry, Staged, Unit, causal_lm_loss};
+use kiln_model::{Carry, Staged, Unit, causal_lm_loss};
 use kiln_pipe::{Pipeline, PipelineConfig, ScheduleKind, Split};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -119,7 +119,8 @@ fn reference<M: AutodiffModule<AB> + Staged<AB>>(
                 Carry::Tokens(tokens(rows.clone(), step, 0)),
             );
             causal_lm_loss(logits.hidden(), tokens(rows, step, 1)).div_scalar(microbatches as f64)
-        });
+        })
+        .expect("a step");
         model = m;
         losses.push(stats.loss);
     }
@@ -254,14 +255,16 @@ fn run_rank<M: Pipelineable>(
         )
         .unwrap();
     for step in 0..STEPS {
-        let (next, stats, _) = pipe.step(
-            model,
-            &mut optim,
-            LR,
-            &step_config,
-            |mb| tokens(rows(mb), step, 0),
-            |logits, mb| causal_lm_loss(logits, tokens(rows(mb), step, 1)).div_scalar(m as f64),
-        );
+        let (next, stats, _) = pipe
+            .step(
+                model,
+                &mut optim,
+                LR,
+                &step_config,
+                |mb| tokens(rows(mb), step, 0),
+                |logits, mb| causal_lm_loss(logits, tokens(rows(mb), step, 1)).div_scalar(m as f64),
+            )
+            .expect("a pipelined step");
         model = next;
         if step == 0 {
             assert!(

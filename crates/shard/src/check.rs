@@ -6,8 +6,7 @@
 //! reference on the whole batch with no sharding (the decorator then only forwards). The losses
 //! and final parameters must agree to float tolerance.
 
-use crate::{Shard, ShardConfig, ShardError, ShardedOptimizer, Strategy, gather_model, shard};
-use burn::backend::Autodiff;
+use crate::{ShardConfig, ShardError, ShardedOptimizer, Strategy, gather_model, shard};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::nn::{Linear, Relu};
 use burn::optim::AdamWConfig;
@@ -16,8 +15,7 @@ use burn::tensor::{Tensor, TensorData};
 use kiln_comm::{ProcessGroup, ReduceOp};
 use std::sync::Arc;
 
-/// The training backend of the harness.
-pub type Train<B> = Autodiff<Shard<B>>;
+pub use crate::Train;
 
 /// A model the harness can train: a loss on `(x, y)` rows.
 pub trait ParityModel<B: Backend>: AutodiffModule<Train<B>> + Clone + Send + 'static {
@@ -238,7 +236,7 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         None => model,
     };
     let initial = params::<B, M>(&model);
-    let traffic_before = crate::account::comm_stats(&model).unwrap_or_default();
+    let traffic_before = crate::strategy::stats::comm_stats(&model).unwrap_or_default();
     let mut optim = ShardedOptimizer::<_, B>::new(
         AdamWConfig::new()
             .with_weight_decay(0.1)
@@ -260,7 +258,7 @@ pub fn train<B: Backend, M: ParityModel<B>>(
             let start = rank * local + m * micro;
             let (x, y) = data::<Train<B>>(width, start..start + micro, step, device);
             model.loss(x, y).div_scalar(opts.accumulate as f64)
-        });
+        })?;
         model = stepped;
         let mut step_loss = stats.loss;
         if let Some(g) = &group {
@@ -270,10 +268,10 @@ pub fn train<B: Backend, M: ParityModel<B>>(
         }
         losses.push(step_loss);
     }
-    let traffic = crate::account::comm_stats(&model)
+    let traffic = crate::strategy::stats::comm_stats(&model)
         .unwrap_or_default()
         .since(&traffic_before);
-    let prefetch = crate::account::prefetch_stats(&model).unwrap_or_default();
+    let prefetch = crate::strategy::stats::prefetch_stats(&model).unwrap_or_default();
     let model = match &group {
         Some(_) => gather_model(model),
         None => model,

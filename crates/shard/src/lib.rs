@@ -52,6 +52,12 @@ pub mod account {
 }
 
 pub use crate::core::backend::Shard;
+
+/// The training stack over the inner backend `B`: `Autodiff` over kiln's decorator, with
+/// autodiff's checkpointing strategy `C` (none by default, or Burn's op-level
+/// `BalancedCheckpointing`). The one alias every kiln crate uses (the facade re-exports it).
+pub type Train<B, C = burn::backend::autodiff::checkpoint::strategy::NoCheckpointing> =
+    burn::backend::Autodiff<Shard<B>, C>;
 pub use crate::core::error::ShardError;
 pub use crate::core::scope::local_reads;
 pub use crate::core::tensor::{Deferred, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad};
@@ -63,6 +69,6 @@ pub use strategy::config::{InitSync, ShardConfig, Strategy};
 pub use strategy::optim::{ShardedOptimizer, clip_grad_norm, grad_norm, scale_grads};
 pub use strategy::prefetch::PrefetchStats;
 pub use strategy::shard::{
-    backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release, remark,
-    shard,
+    ShardGroups, backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release,
+    remark, shard, shard_over,
 };

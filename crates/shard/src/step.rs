@@ -11,6 +11,7 @@
 //! [`no_sync`]: crate::no_sync
 
 use crate::core::backend::Shard;
+use crate::core::error::ShardError;
 use crate::core::scope::{self, AnyArc, MemKind, Set, with_kind};
 use crate::features::account::{MemoryProbe, StepMemory, grad_bytes, param_bytes};
 use crate::features::lowrank::masks_seeded;
@@ -95,15 +96,20 @@ pub struct StepStats {
 /// over the ranks (the hook does it during backward unless `no_sync`), clipped, and the
 /// optimizer steps (use [`ShardedOptimizer`](crate::ShardedOptimizer) for sharded models).
 ///
+/// # Errors
+/// A failed collective of the step's own (the global gradient norm); a collective inside an
+/// op (a parameter's gather, a gradient's reduction) panics naming the rank and the op, as
+/// Burn's op signatures cannot return errors.
+///
 /// # Panics
-/// If `config.accumulate` is 0; if a collective fails (with the rank and operation).
+/// If `config.accumulate` is 0.
 pub fn step<B, AB, M, O>(
     model: M,
     optim: &mut O,
     lr: f64,
     config: &StepConfig,
     loss: impl FnMut(&M, usize) -> Tensor<AB, 1>,
-) -> (M, StepStats)
+) -> Result<(M, StepStats), ShardError>
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
@@ -146,7 +152,7 @@ where
                 grads
             }
         };
-        (total, grads)
+        Ok((total, grads))
     })
 }
 
@@ -194,17 +200,19 @@ impl Passes<'_> {
 /// step are the same for every producer. When `across` is given (a pipeline's stage group), the
 /// model's parameters are split over its ranks, so the global gradient norm sums their parts.
 ///
-/// # Panics
-/// If a collective fails (with the rank and operation).
-pub fn step_with<B, AB, M, O>(
+/// # Errors
+/// The producer's error; a failed collective of the step's own (the global gradient norm),
+/// as `E`.
+pub fn step_with<B, AB, M, O, E>(
     model: M,
     optim: &mut O,
     lr: f64,
     config: &StepConfig,
     across: Option<&dyn ProcessGroup>,
-    grads: impl FnOnce(&M, &Passes<'_>) -> (f64, GradientsParams),
-) -> (M, StepStats)
+    grads: impl FnOnce(&M, &Passes<'_>) -> Result<(f64, GradientsParams), E>,
+) -> Result<(M, StepStats), E>
 where
+    E: From<ShardError>,
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: AutodiffModule<AB>,
@@ -222,24 +230,16 @@ where
             _step: std::marker::PhantomData,
         };
         let (total, grads) = match config.dropout_seed {
-            Some(seed) => masks_seeded(seed, || grads(&model, &passes)),
-            None => grads(&model, &passes),
+            Some(seed) => masks_seeded(seed, || grads(&model, &passes))?,
+            None => grads(&model, &passes)?,
         };
         // One global norm serves clipping and the overflow check; every rank sees the same norm
         // (the sharded parts are all-reduced, the whole gradients are equal), so every rank takes
         // the same decision.
-        let norm = (config.clip.is_some() || scale.is_some()).then(|| {
-            let norm = grad_norm::<B, AB, M>(&model, &grads);
-            match across {
-                Some(group) => {
-                    let mut squares = [(norm * norm) as f32];
-                    scope::waiting(|| group.all_reduce(BufMut::F32(&mut squares), ReduceOp::Sum))
-                        .unwrap_or_else(|e| panic!("kiln: the gradient norm over the stages: {e}"));
-                    f64::from(squares[0]).sqrt()
-                }
-                None => norm,
-            }
-        });
+        let norm = match config.clip.is_some() || scale.is_some() {
+            true => Some(global_norm::<B, AB, M>(&model, &grads, across)?),
+            false => None,
+        };
         let unscale = scale.map_or(1.0, |s| 1.0 / s);
         let grad_norm = norm.map(|n| n * unscale);
         if let (Some(s), Some(n)) = (config.loss_scale, norm)
@@ -248,7 +248,7 @@ where
             // Backward consumed the parameters' gradient-sync marks; the optimizer step would have
             // set them again.
             remark::<B, AB, M>(&model);
-            return (
+            return Ok((
                 model,
                 StepStats {
                     loss: total,
@@ -258,7 +258,7 @@ where
                     loss_scale: Some(s.update(false)),
                     skipped: true,
                 },
-            );
+            ));
         }
         let clip = match (config.clip, grad_norm) {
             (Some(max), Some(n)) => clip_coefficient(max, n),
@@ -275,7 +275,7 @@ where
             .map_or(0, |_| grad_bytes::<B, AB, M>(&model, &grads));
         let model = optim.step(lr, model, grads);
         let memory = probe.map(|p| p.finish(param_bytes::<B, AB, M>(&model), grads_held));
-        (
+        Ok((
             model,
             StepStats {
                 loss: total,
@@ -285,6 +285,29 @@ where
                 loss_scale: config.loss_scale.map(|s| s.update(true)),
                 skipped: false,
             },
-        )
+        ))
+    })
+}
+
+/// The global gradient norm: over every rank and shard of the model, and over the stages
+/// `across` (a pipeline's stage group: its parameters are split over them).
+fn global_norm<B, AB, M>(
+    model: &M,
+    grads: &GradientsParams,
+    across: Option<&dyn ProcessGroup>,
+) -> Result<f64, ShardError>
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: AutodiffModule<AB>,
+{
+    let norm = grad_norm::<B, AB, M>(model, grads)?;
+    Ok(match across {
+        Some(group) => {
+            let mut squares = [(norm * norm) as f32];
+            scope::waiting(|| group.all_reduce(BufMut::F32(&mut squares), ReduceOp::Sum))?;
+            f64::from(squares[0]).sqrt()
+        }
+        None => norm,
     })
 }

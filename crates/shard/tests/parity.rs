@@ -249,7 +249,8 @@ fn a_copy_from_before_a_step_is_not_served_newer_prefetched_weights() {
             let (x, y) = data::<B>(width, rank * 4..rank * 4 + 4, i, &Default::default());
             let (stepped, _) = step(model, &mut optim, 1e-2, &StepConfig::default(), |m, _| {
                 m.loss(x.clone(), y.clone())
-            });
+            })
+            .expect("a step");
             model = stepped;
         }
         let (kept, values) = kept.unwrap();

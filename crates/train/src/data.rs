@@ -38,6 +38,30 @@ pub struct Corpus {
     pub floor: Option<f64>,
 }
 
+/// The corpus of a text file's `text`, in `tokenizer`'s tokens: its end held out for validation.
+fn file_corpus(text: &str, path: &Path, tokenizer: &Tokenizer, validation_fraction: f64) -> Corpus {
+    let tokens = tokenizer.encode(text);
+    let cut = split_point(tokens.len(), validation_fraction);
+    let train = tokens[..cut].to_vec();
+    let description = match tokenizer {
+        Tokenizer::Bytes => format!("{} ({} bytes)", path.display(), tokens.len()),
+        tok => format!(
+            "{} ({} bytes, {} tokens of {})",
+            path.display(),
+            text.len(),
+            tokens.len(),
+            tok.describe()
+        ),
+    };
+    Corpus {
+        unigram_entropy: unigram_entropy(&train),
+        validation: tokens[cut..].to_vec(),
+        train,
+        description,
+        floor: None,
+    }
+}
+
 impl Corpus {
     /// The corpus a recipe names (`synthetic`, or a text file), in `tokenizer`'s tokens.
     ///
@@ -50,7 +74,19 @@ impl Corpus {
         seq_len: usize,
         tokenizer: &Tokenizer,
     ) -> Result<Corpus> {
-        let corpus = if data.source == "synthetic" {
+        let corpus = if let crate::DataSource::File(path) = &data.source {
+            let path = path.as_path();
+            let bytes = std::fs::read(path).io(|| {
+                format!(
+                    "cannot read the data file {} (data.source; use \"synthetic\" for kiln's own corpus)",
+                    path.display()
+                )
+            })?;
+            let text = String::from_utf8(bytes).map_err(|e| {
+                TrainError::Data(format!("{} is not UTF-8 text: {e}", path.display()))
+            })?;
+            file_corpus(&text, path, tokenizer, data.validation_fraction)
+        } else {
             let bytes = synthetic(data.synthetic_chars, seed, data.validation_fraction);
             match tokenizer {
                 Tokenizer::Bytes => bytes,
@@ -71,37 +107,6 @@ impl Corpus {
                         floor: None,
                     }
                 }
-            }
-        } else {
-            let path = Path::new(&data.source);
-            let bytes = std::fs::read(path).io(|| {
-                format!(
-                    "cannot read the data file {} (data.source; use \"synthetic\" for kiln's own corpus)",
-                    path.display()
-                )
-            })?;
-            let text = String::from_utf8(bytes).map_err(|e| {
-                TrainError::Data(format!("{} is not UTF-8 text: {e}", path.display()))
-            })?;
-            let tokens = tokenizer.encode(&text);
-            let cut = split_point(tokens.len(), data.validation_fraction);
-            let train = tokens[..cut].to_vec();
-            let description = match tokenizer {
-                Tokenizer::Bytes => format!("{} ({} bytes)", path.display(), tokens.len()),
-                tok => format!(
-                    "{} ({} bytes, {} tokens of {})",
-                    path.display(),
-                    text.len(),
-                    tokens.len(),
-                    tok.describe()
-                ),
-            };
-            Corpus {
-                unigram_entropy: unigram_entropy(&train),
-                validation: tokens[cut..].to_vec(),
-                train,
-                description,
-                floor: None,
             }
         };
         let need = seq_len + 2;

@@ -56,6 +56,9 @@ pub enum TrainError {
     /// A pipeline that does not fit, or a failed exchange between stages.
     #[error(transparent)]
     Pipe(#[from] kiln_pipe::PipeError),
+    /// The model could not be made this rank's part of the job (`kiln::parallelize`).
+    #[error(transparent)]
+    Parallel(#[from] kiln::ParallelError),
     /// One rank's failure, in a run of ranks as threads (its error is the source).
     #[error("rank {rank} failed")]
     Rank {
@@ -72,7 +75,10 @@ impl TrainError {
     /// cause is that peer's own error).
     pub fn is_peer_failure(&self) -> bool {
         let comm = match self {
-            TrainError::Comm(c) | TrainError::Shard(ShardError::Comm(c)) => c,
+            TrainError::Comm(c)
+            | TrainError::Shard(ShardError::Comm(c))
+            | TrainError::Parallel(kiln::ParallelError::Comm(c))
+            | TrainError::Parallel(kiln::ParallelError::Shard(ShardError::Comm(c))) => c,
             TrainError::Rank { source, .. } => return source.is_peer_failure(),
             _ => return false,
         };

@@ -3,15 +3,18 @@
 //! fine-tuning snapshot (adapters only) is written merged into its base.
 
 use crate::error::{IoContext, Result};
-use crate::model::ModelSpec;
-use crate::plan::{Adapters, Plan};
-use crate::run::{Train, load_params};
 use crate::snapshot::Snapshot;
+use crate::state::load_params;
+use crate::trained::{Adapters, Trained};
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::module::AutodiffModule;
 use burn::tensor::FloatDType;
-use kiln_hf::{CausalLm, Pretrained};
+use kiln::Adapt;
+use kiln_hf::Pretrained;
+use kiln_model::CausalLm;
+use kiln_shard::Train;
+use kiln_zoo::{ModelConfig, ModelType, with_model_type};
 use std::path::{Path, PathBuf};
 
 /// Writes the model of `snapshot` (a snapshot directory, or a run directory: its newest
@@ -37,14 +40,16 @@ pub fn export_as(snapshot: &Path, out: &Path, dtype: FloatDType) -> Result<PathB
     let lora = toml::from_str::<crate::Recipe>(&meta.recipe)
         .ok()
         .filter(|r| r.lora.is_some());
-    match ModelSpec::from_json(&meta.model_kind, &meta.model_config)? {
-        ModelSpec::Gpt2(c) => {
-            write::<kiln_gpt2::Gpt2<Train<Flex>>>(&snap, &c, lora.as_ref(), out, dtype)
-        }
-        ModelSpec::Llama(c) => {
-            write::<kiln_llama::Llama<Train<Flex>>>(&snap, &c, lora.as_ref(), out, dtype)
-        }
-    }
+    let kind = ModelType::from_name(&meta.model_kind).ok_or_else(|| {
+        crate::TrainError::Snapshot(format!(
+            "{} holds a model of kind '{}' (kiln knows {})",
+            snap.dir().display(),
+            meta.model_kind,
+            ModelType::names()
+        ))
+    })?;
+    let config = ModelConfig::from_json(kind, &meta.model_config)?;
+    with_model_type!(config, M, c => write::<M<Train<Flex>>>(&snap, &c, lora.as_ref(), out, dtype))
 }
 
 fn write<M>(
@@ -58,11 +63,15 @@ where
     M: Pretrained<Train<Flex>>
         + CausalLm<Train<Flex>>
         + AutodiffModule<Train<Flex>>
-        + kiln_hf::Staged<Train<Flex>>
+        + kiln_model::Staged<Train<Flex>>
         + burn::module::ModuleDisplay,
     M::Config: Clone,
-    kiln_lora::Lora<Train<Flex>, M>:
-        AutodiffModule<Train<Flex>, InnerModule: kiln_hf::Staged<kiln_shard::Shard<Flex>>>,
+    M::InnerModule: CausalLm<kiln_shard::Shard<Flex>> + kiln_model::Staged<kiln_shard::Shard<Flex>>,
+    kiln_lora::Lora<Train<Flex>, M>: AutodiffModule<
+            Train<Flex>,
+            InnerModule: kiln_model::Staged<kiln_shard::Shard<Flex>>
+                             + CausalLm<kiln_shard::Shard<Flex>>,
+        >,
 {
     let device = Default::default();
     let model = match lora {
@@ -70,10 +79,12 @@ where
             let plan = Adapters::<M, M::Config> {
                 config: config.clone(),
                 lora: recipe.lora.clone().expect("filtered on lora"),
+                seed: recipe.train.seed,
                 _model: std::marker::PhantomData,
             };
-            let adapters = Plan::<Flex, NoCheckpointing>::create(&plan, recipe, &device)?;
-            let adapters = Plan::<Flex, NoCheckpointing>::start(&plan, adapters, recipe, true)?;
+            let base = Trained::<Flex, NoCheckpointing>::base(&plan, &device);
+            let adapters = Adapt::<Flex, NoCheckpointing, M>::adapt(&plan, base, &device)?;
+            let adapters = Trained::<Flex, NoCheckpointing>::start(&plan, adapters, recipe, true)?;
             load_params::<Flex, _, _>(adapters, snap)?.merge()
         }
         None => load_params::<Flex, _, M>(M::from_config(config, &device), snap)?,

@@ -4,7 +4,8 @@
 //!
 //! - [`Recipe`]: the run's settings (TOML plus `key=value` overrides; unknown keys are errors).
 //! - [`data`]: byte-level corpora, including a synthetic one whose best achievable loss is known.
-//! - [`train_rank`]: one rank's training loop; [`train_threads`] runs N ranks as threads.
+//! - [`train_rank`]: one rank's run, through [`kiln::parallelize`] and a `Trainer` whose loop
+//!   reads in one screen (`trainer.rs`); [`train_threads`] runs N ranks as threads.
 //! - [`report`]: what a run tells the person watching it, as events; the library prints nothing
 //!   (it logs through `tracing`), the `kiln` command draws them as a bar or lines.
 //! - [`snapshot`]: per-rank pieces and a manifest, written atomically, read at any layout.
@@ -22,27 +23,32 @@
 
 pub mod data;
 mod error;
+mod eval;
 mod export;
 pub mod init;
 pub mod metrics;
-mod model;
-mod plan;
+mod pipelined;
 mod recipe;
 pub mod report;
-mod run;
 pub mod shared_dir;
 pub mod snapshot;
+mod state;
+mod summary;
+mod trained;
+mod trainer;
 
 pub use error::{Result, TrainError};
+pub use eval::validation_batches;
 pub use export::{export, export_as};
-pub use model::{BYTE_VOCAB, ModelSpec};
 pub use recipe::{
-    DEFAULT_TOML, DataRecipe, LoraRecipe, ModelRecipe, OutputRecipe, ParallelRecipe, Recipe,
-    TrainRecipe,
+    DEFAULT_TOML, DataRecipe, DataSource, GroupBackend, LoraRecipe, ModelRecipe, OutputRecipe,
+    ParallelRecipe, Recipe, TokenizerSource, TrainRecipe,
 };
-pub use run::{
-    RankMemory, RunOptions, Summary, Train, lr_at, train_rank, train_rank_with, validation_batches,
-};
+pub use summary::{RankMemory, RunOptions, Summary};
+pub use trainer::{lr_at, parallel_plan, train_rank, train_rank_with};
+
+/// The training backend (kiln's one alias): `Autodiff<Kiln<B>, C>`.
+pub use kiln_shard::Train;
 
 use kiln_comm::LocalGroup;
 use std::sync::Arc;

@@ -5,6 +5,10 @@
 //! document before it is checked (`train.lr=1e-3`), so they are checked the same way.
 
 use crate::error::{IoContext, Result, TrainError, fail};
+use kiln::Remat;
+use kiln_pipe::{ScheduleKind, Split};
+use kiln_shard::{Precision, Strategy};
+use kiln_zoo::{ModelConfig, ModelType, Sizes};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -75,14 +79,58 @@ impl Recipe {
     /// A missing or unreadable `tokenizer.json`.
     pub fn tokenizer(&self) -> Result<kiln_hf::Tokenizer> {
         use kiln_hf::Tokenizer;
-        Ok(match self.data.tokenizer.as_str() {
-            "bytes" => Tokenizer::Bytes,
-            "auto" => match &self.model.from {
+        Ok(match &self.data.tokenizer {
+            TokenizerSource::Bytes => Tokenizer::Bytes,
+            TokenizerSource::Auto => match &self.model.from {
                 Some(dir) => Tokenizer::of_model_dir(dir)?.unwrap_or(Tokenizer::Bytes),
                 None => Tokenizer::Bytes,
             },
-            path => Tokenizer::from_file(path)?,
+            TokenizerSource::File(path) => Tokenizer::from_file(path)?,
         })
+    }
+}
+
+impl Recipe {
+    /// The model the recipe asks for, to learn `tokenizer`'s tokens: a fresh model gets its
+    /// vocabulary.
+    ///
+    /// # Errors
+    /// An unreadable or unsupported checkpoint config; a vocabulary smaller than the
+    /// tokenizer's; `train.seq_len` above the model's positions.
+    pub fn model_config(&self, tokenizer: &kiln_hf::Tokenizer) -> Result<ModelConfig> {
+        let recipe = self;
+        let m = &recipe.model;
+        let tokens = tokenizer.vocab_size();
+        let config = match &m.from {
+            Some(dir) => ModelConfig::from_dir(dir)?,
+            None => {
+                let sizes = Sizes {
+                    vocab: tokens,
+                    dim: m.dim,
+                    layers: m.layers,
+                    heads: m.heads,
+                    context: m.context,
+                };
+                ModelConfig::fresh(m.kind, sizes)?
+            }
+        };
+        let vocab = config.vocab_size();
+        if vocab < tokens {
+            fail!(
+                Model,
+                "the model's vocabulary has {vocab} tokens; the tokenizer {} needs at least {tokens}",
+                tokenizer.describe()
+            );
+        }
+        if recipe.train.seq_len > config.max_positions() {
+            fail!(
+                Model,
+                "train.seq_len ({}) exceeds the model's {} positions",
+                recipe.train.seq_len,
+                config.max_positions()
+            );
+        }
+        Ok(config)
     }
 }
 
@@ -106,7 +154,8 @@ impl LoraRecipe {
 #[serde(deny_unknown_fields)]
 pub struct ModelRecipe {
     /// `gpt2` or `llama` (ignored with `from`, whose `config.json` says).
-    pub kind: String,
+    #[serde(with = "text")]
+    pub kind: ModelType,
     /// Start from this Hugging Face checkpoint directory (`config.json`, `model.safetensors`)
     /// instead of a fresh model of the sizes below.
     pub from: Option<PathBuf>,
@@ -123,7 +172,7 @@ pub struct ModelRecipe {
 impl Default for ModelRecipe {
     fn default() -> Self {
         ModelRecipe {
-            kind: "gpt2".into(),
+            kind: ModelType::Gpt2,
             from: None,
             layers: 2,
             heads: 4,
@@ -139,26 +188,45 @@ impl Default for ModelRecipe {
 pub struct DataRecipe {
     /// `synthetic` (kiln's Markov-chain corpus, whose best achievable loss is known) or the path
     /// of a UTF-8 text file.
-    pub source: String,
+    #[serde(with = "text")]
+    pub source: DataSource,
     /// Characters of synthetic text to generate.
     pub synthetic_chars: usize,
     /// Share of the corpus (its end) held out for validation.
     pub validation_fraction: f64,
     /// How text becomes tokens: `auto` (the `tokenizer.json` of `model.from` when it has one,
     /// else bytes), `bytes` (vocabulary 256), or the path of a Hugging Face `tokenizer.json`.
-    #[serde(default = "auto")]
-    pub tokenizer: String,
+    #[serde(default, with = "text")]
+    pub tokenizer: TokenizerSource,
 }
 
-fn auto() -> String {
-    "auto".into()
+/// Where the text comes from ([`DataRecipe::source`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DataSource {
+    /// kiln's synthetic corpus.
+    #[default]
+    Synthetic,
+    /// A UTF-8 text file.
+    File(PathBuf),
+}
+
+/// How text becomes tokens ([`DataRecipe::tokenizer`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TokenizerSource {
+    /// `model.from`'s `tokenizer.json` when it has one, else bytes.
+    #[default]
+    Auto,
+    /// Bytes (vocabulary 256).
+    Bytes,
+    /// A Hugging Face `tokenizer.json`.
+    File(PathBuf),
 }
 
 impl Default for DataRecipe {
     fn default() -> Self {
         DataRecipe {
-            tokenizer: auto(),
-            source: "synthetic".into(),
+            tokenizer: TokenizerSource::Auto,
+            source: DataSource::Synthetic,
             synthetic_chars: 1 << 18,
             validation_fraction: 0.1,
         }
@@ -201,13 +269,13 @@ pub struct TrainRecipe {
     /// outputs of memory-bound ops are recomputed in backward instead of kept); or
     /// `budget=SIZE` (kiln's: activations held to SIZE bytes per rank, e.g. `budget=64MiB`,
     /// the rest recomputed when backward needs them).
-    #[serde(default = "default_remat")]
-    pub remat: String,
+    #[serde(default, with = "text")]
+    pub remat: Remat,
     /// Mixed precision: `f32`; `bf16` or `f16` (compute-bound ops and ZeRO-3 parameter
     /// gathers in that dtype, f32 parameters, optimizer state and gradient reduction;
     /// `f16` with dynamic loss scaling).
-    #[serde(default = "default_precision")]
-    pub precision: String,
+    #[serde(default, with = "text")]
+    pub precision: Precision,
     /// f16's initial loss scale (PyTorch `GradScaler`'s `init_scale`).
     #[serde(default = "default_loss_scale")]
     pub loss_scale: f64,
@@ -222,63 +290,6 @@ fn default_loss_scale() -> f64 {
 
 fn default_loss_scale_growth() -> u32 {
     2000
-}
-
-fn default_remat() -> String {
-    "off".into()
-}
-
-fn default_precision() -> String {
-    "f32".into()
-}
-
-/// How activations are kept for backward ([`TrainRecipe::remat`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Remat {
-    /// Every activation autodiff needs is kept from forward to backward.
-    Off,
-    /// Burn's `BalancedCheckpointing`: memory-bound ops (elementwise, activations, layout) are
-    /// recomputed from their kept inputs in backward; compute-bound ops' outputs are kept.
-    Balanced,
-    /// kiln's budgeted rematerialisation ([`kiln_shard::remat`]): recorded activations are held
-    /// to this many bytes per rank, the rest recomputed on use.
-    Budget(usize),
-}
-
-/// A size in bytes: `1048576`, `512KiB`, `64MiB`, `2GiB` (also `K`, `M`, `G`, `KB`, `MB`,
-/// `GB`, all powers of 1024).
-pub fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let number: f64 = number.parse().ok()?;
-    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1024.0 * 1024.0,
-        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        _ => return None,
-    };
-    (number >= 0.0).then_some((number * scale) as usize)
-}
-
-impl std::str::FromStr for Remat {
-    type Err = TrainError;
-    fn from_str(s: &str) -> Result<Remat> {
-        match s {
-            "off" => Ok(Remat::Off),
-            "balanced" => Ok(Remat::Balanced),
-            other => match other.strip_prefix("budget=").map(parse_size) {
-                Some(Some(bytes)) => Ok(Remat::Budget(bytes)),
-                _ => Err(TrainError::Recipe(format!(
-                    "train.remat must be \"off\", \"balanced\" or \"budget=SIZE\" (e.g. \
-                     budget=64MiB), got {other:?}"
-                ))),
-            },
-        }
-    }
 }
 
 impl Default for TrainRecipe {
@@ -298,8 +309,8 @@ impl Default for TrainRecipe {
             eval_batches: 4,
             seed: 1234,
             sample_chars: 160,
-            remat: default_remat(),
-            precision: default_precision(),
+            remat: Remat::Off,
+            precision: Precision::F32,
             loss_scale: default_loss_scale(),
             loss_scale_growth_interval: default_loss_scale_growth(),
         }
@@ -311,7 +322,8 @@ impl Default for TrainRecipe {
 #[serde(deny_unknown_fields)]
 pub struct ParallelRecipe {
     /// `ddp`, `zero1`, `zero2`, `zero3` (or `fsdp`), `hybrid:S`.
-    pub strategy: String,
+    #[serde(with = "text")]
+    pub strategy: Strategy,
     /// Ranks as threads of this process (ignored under a launcher, which sets the world size).
     pub ranks: usize,
     /// Expected world size under a launcher (0: whatever the launcher says). A mismatch is an
@@ -319,7 +331,8 @@ pub struct ParallelRecipe {
     pub world_size: usize,
     /// Process group under a launcher: `tcp`, `nccl` (GPUs; needs the `nccl` feature) or `mpi`
     /// (a job started by `mpirun` or `srun`; needs the `mpi` feature).
-    pub backend: String,
+    #[serde(with = "text")]
+    pub backend: GroupBackend,
     /// Communication on a thread of its own, overlapping computation (gradient buckets reduced
     /// during backward, ZeRO-3 parameters prefetched). Off: blocking collectives (for
     /// measuring what overlap hides; the numbers are the same).
@@ -338,14 +351,36 @@ pub struct ParallelRecipe {
     #[serde(default = "one")]
     pub microbatches: usize,
     /// The pipeline's schedule: `gpipe`, `1f1b` or `interleaved:V`.
-    #[serde(default = "one_f_one_b")]
-    pub schedule: String,
+    #[serde(default = "one_f_one_b", with = "text")]
+    pub schedule: ScheduleKind,
     /// Where the pipeline's chunks start, as unit names after the first chunk (`h.2,h.5`;
     /// the start of a run prints the units); `measured`: chunks balanced by each unit's forward
     /// and backward time, measured on every rank at start (the slowest rank's figure counts); or empty:
     /// chunks balanced by parameter count.
-    #[serde(default)]
-    pub split: String,
+    #[serde(default, with = "text")]
+    pub split: Split,
+}
+
+/// The process group under a launcher ([`ParallelRecipe::backend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupBackend {
+    /// TCP between processes (CPU).
+    Tcp,
+    /// NCCL (GPUs; the `nccl` feature).
+    Nccl,
+    /// MPI (a job started by `mpirun` or `srun`; the `mpi` feature).
+    Mpi,
+}
+
+impl GroupBackend {
+    /// The name `kiln_comm::join` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupBackend::Tcp => "tcp",
+            GroupBackend::Nccl => "nccl",
+            GroupBackend::Mpi => "mpi",
+        }
+    }
 }
 
 fn yes() -> bool {
@@ -356,23 +391,23 @@ fn one() -> usize {
     1
 }
 
-fn one_f_one_b() -> String {
-    "1f1b".into()
+fn one_f_one_b() -> ScheduleKind {
+    ScheduleKind::OneFOneB
 }
 
 impl Default for ParallelRecipe {
     fn default() -> Self {
         ParallelRecipe {
-            strategy: "ddp".into(),
+            strategy: Strategy::Ddp,
             ranks: 1,
             world_size: 0,
-            backend: "tcp".into(),
+            backend: GroupBackend::Tcp,
             overlap: true,
             bucket_kib: 0,
             pp: 1,
             microbatches: 1,
             schedule: one_f_one_b(),
-            split: String::new(),
+            split: Split::Balanced,
         }
     }
 }
@@ -448,9 +483,6 @@ impl Recipe {
     pub fn validate(&self) -> Result<()> {
         let t = &self.train;
         let m = &self.model;
-        if !["gpt2", "llama"].contains(&m.kind.as_str()) {
-            fail!(Recipe, "model.kind = '{}': expected gpt2 or llama", m.kind);
-        }
         if t.steps == 0 || t.batch_size == 0 || t.seq_len == 0 {
             fail!(
                 Recipe,
@@ -507,9 +539,6 @@ impl Recipe {
         if self.output.keep == 0 {
             fail!(Recipe, "output.keep must be at least 1");
         }
-        self.strategy()?;
-        self.remat()?;
-        self.precision()?;
         if !(self.train.loss_scale.is_finite() && self.train.loss_scale > 0.0) {
             fail!(
                 Recipe,
@@ -524,35 +553,6 @@ impl Recipe {
             );
         }
         Ok(())
-    }
-
-    /// The mixed-precision policy.
-    ///
-    /// # Errors
-    /// An unknown precision.
-    pub fn precision(&self) -> Result<kiln_shard::Precision> {
-        kiln_shard::Precision::from_name(&self.train.precision).ok_or_else(|| {
-            TrainError::Recipe(format!(
-                "train.precision must be \"f32\", \"bf16\" or \"f16\", got \"{}\"",
-                self.train.precision
-            ))
-        })
-    }
-
-    /// The parsed rematerialisation mode.
-    ///
-    /// # Errors
-    /// An unknown mode.
-    pub fn remat(&self) -> Result<Remat> {
-        self.train.remat.parse()
-    }
-
-    /// The parsed strategy.
-    ///
-    /// # Errors
-    /// An unknown strategy name.
-    pub fn strategy(&self) -> Result<kiln_shard::Strategy> {
-        Ok(self.parallel.strategy.parse()?)
     }
 
     /// Checks the settings against the world size.
@@ -591,7 +591,6 @@ impl Recipe {
             );
         }
         if p.pp > 1 {
-            self.schedule()?;
             let rows = self.train.batch_size / dp;
             if p.microbatches == 0 || !rows.is_multiple_of(p.microbatches) {
                 fail!(
@@ -603,7 +602,7 @@ impl Recipe {
                 );
             }
         }
-        if let kiln_shard::Strategy::Hybrid { shard_size } = self.strategy()?
+        if let Strategy::Hybrid { shard_size } = self.parallel.strategy
             && (shard_size == 0 || !dp.is_multiple_of(shard_size))
         {
             fail!(
@@ -613,28 +612,6 @@ impl Recipe {
             );
         }
         Ok(())
-    }
-
-    /// How the pipeline cuts the model's units.
-    pub fn split(&self) -> kiln_pipe::Split {
-        match self.parallel.split.trim() {
-            "" => kiln_pipe::Split::Balanced,
-            "measured" => kiln_pipe::Split::Measured,
-            s => kiln_pipe::Split::At(s.split(',').map(|u| u.trim().to_string()).collect()),
-        }
-    }
-
-    /// The pipeline schedule.
-    ///
-    /// # Errors
-    /// An unknown schedule name.
-    pub fn schedule(&self) -> Result<kiln_pipe::ScheduleKind> {
-        self.parallel
-            .schedule
-            .parse()
-            .map_err(|e: kiln_pipe::PipeError| {
-                TrainError::Recipe(format!("parallel.schedule: {e}"))
-            })
     }
 
     /// The recipe as TOML (written next to the run's outputs).
@@ -673,6 +650,152 @@ fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
     Ok(())
 }
 
+/// `train.remat` as a recipe writes it (`budget=64MiB`).
+pub(crate) fn remat_text(remat: &Remat) -> String {
+    remat.text()
+}
+
+/// A recipe value written as text: parsed once, when the recipe is read (an unknown value is
+/// an error naming the accepted ones, with the line), and written back the same way.
+trait Text: Sized {
+    fn parse(s: &str) -> std::result::Result<Self, String>;
+    fn text(&self) -> String;
+}
+
+/// `#[serde(with = "text")]` for a [`Text`] value.
+mod text {
+    use super::Text;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<T: Text, S: Serializer>(value: &T, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&value.text())
+    }
+
+    pub fn deserialize<'de, T: Text, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
+        let s = String::deserialize(d)?;
+        T::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+impl Text for ModelType {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        ModelType::from_name(s)
+            .ok_or_else(|| format!("model.kind '{s}': expected {}", ModelType::names()))
+    }
+    fn text(&self) -> String {
+        self.name().into()
+    }
+}
+
+impl Text for DataSource {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s {
+            "synthetic" => DataSource::Synthetic,
+            path => DataSource::File(PathBuf::from(path)),
+        })
+    }
+    fn text(&self) -> String {
+        match self {
+            DataSource::Synthetic => "synthetic".into(),
+            DataSource::File(p) => p.display().to_string(),
+        }
+    }
+}
+
+impl Text for TokenizerSource {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s {
+            "auto" => TokenizerSource::Auto,
+            "bytes" => TokenizerSource::Bytes,
+            path => TokenizerSource::File(PathBuf::from(path)),
+        })
+    }
+    fn text(&self) -> String {
+        match self {
+            TokenizerSource::Auto => "auto".into(),
+            TokenizerSource::Bytes => "bytes".into(),
+            TokenizerSource::File(p) => p.display().to_string(),
+        }
+    }
+}
+
+impl Text for Remat {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        s.parse()
+            .map_err(|_| format!("train.remat must be {}, got {s:?}", Remat::FORMS))
+    }
+    fn text(&self) -> String {
+        match self {
+            Remat::Budget(bytes) => format!("budget={}", crate::report::size(*bytes)),
+            other => other.to_string(),
+        }
+    }
+}
+
+impl Text for Precision {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        Precision::from_name(s).ok_or_else(|| {
+            format!("train.precision must be \"f32\", \"bf16\" or \"f16\", got \"{s}\"")
+        })
+    }
+    fn text(&self) -> String {
+        self.name().into()
+    }
+}
+
+impl Text for Strategy {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        s.parse().map_err(|e: kiln_shard::ShardError| e.to_string())
+    }
+    fn text(&self) -> String {
+        match self {
+            Strategy::Hybrid { shard_size } => format!("hybrid:{shard_size}"),
+            other => other.to_string(),
+        }
+    }
+}
+
+impl Text for GroupBackend {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        [GroupBackend::Tcp, GroupBackend::Nccl, GroupBackend::Mpi]
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| format!("parallel.backend '{s}': expected tcp, nccl or mpi"))
+    }
+    fn text(&self) -> String {
+        self.name().into()
+    }
+}
+
+impl Text for ScheduleKind {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        s.parse()
+            .map_err(|e: kiln_pipe::PipeError| format!("parallel.schedule: {e}"))
+    }
+    fn text(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl Text for Split {
+    fn parse(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s.trim() {
+            "" => Split::Balanced,
+            "measured" => Split::Measured,
+            s => Split::At(s.split(',').map(|u| u.trim().to_string()).collect()),
+        })
+    }
+    fn text(&self) -> String {
+        match self {
+            Split::Balanced | Split::Costs(_) => String::new(),
+            Split::Measured => "measured".into(),
+            Split::At(units) => units.join(","),
+            #[allow(unreachable_patterns)]
+            _ => String::new(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -680,17 +803,11 @@ mod tests {
     #[test]
     fn precisions_parse_and_unknown_ones_are_named() {
         let with = |p: &str| Recipe::load(None, &[format!("train.precision={p:?}")]);
+        assert_eq!(with("bf16").unwrap().train.precision, Precision::BF16);
+        assert_eq!(with("f16").unwrap().train.precision, Precision::F16);
         assert_eq!(
-            with("bf16").unwrap().precision().unwrap(),
-            kiln_shard::Precision::BF16
-        );
-        assert_eq!(
-            with("f16").unwrap().precision().unwrap(),
-            kiln_shard::Precision::F16
-        );
-        assert_eq!(
-            Recipe::load(None, &[]).unwrap().precision().unwrap(),
-            kiln_shard::Precision::F32
+            Recipe::load(None, &[]).unwrap().train.precision,
+            Precision::F32
         );
         let e = with("fp8").unwrap_err().to_string();
         assert!(e.contains("train.precision") && e.contains("fp8"), "{e}");
@@ -720,7 +837,17 @@ mod tests {
             let e = bad.parse::<Remat>().unwrap_err().to_string();
             assert!(e.contains("budget=SIZE") && e.contains(bad), "{e}");
         }
-        assert_eq!(parse_size("512 KiB"), Some(512 << 10));
+        assert_eq!(kiln::parse_size("512 KiB"), Some(512 << 10));
+        for r in [
+            Remat::Off,
+            Remat::Balanced,
+            Remat::Budget(64 << 20),
+            Remat::Budget(4097),
+        ] {
+            assert_eq!(Remat::parse(&r.text()).unwrap(), r, "{}", r.text());
+        }
+        let e = Recipe::load(None, &["train.remat=\"sometimes\"".into()]).unwrap_err();
+        assert!(format!("{e:#}").contains("train.remat must be"), "{e:#}");
     }
 
     #[test]
@@ -745,7 +872,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.train.lr, 0.5);
-        assert_eq!(r.parallel.strategy, "zero3");
+        assert_eq!(r.parallel.strategy, Strategy::Zero3);
+        let r = Recipe::load(None, &["parallel.strategy=\"hybrid:2\"".into()]).unwrap();
+        assert_eq!(Recipe::load(None, &[]).unwrap().to_toml().is_empty(), false);
+        let back: Recipe = toml::from_str(&r.to_toml()).unwrap();
+        assert_eq!(back, r);
         let e = Recipe::load(None, &["train.stpes=3".into()]).unwrap_err();
         assert!(format!("{e:#}").contains("stpes"), "{e:#}");
         let e = Recipe::load(None, &["train.steps=many".into()]).unwrap_err();

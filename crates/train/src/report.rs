@@ -63,10 +63,11 @@ pub struct Resumed {
     pub strategy: String,
 }
 
-/// One training step.
+/// One training step, as the person watching sees it (what the step itself measured is
+/// [`kiln_shard::StepStats`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
-pub struct StepStats {
+pub struct Progress {
     /// The step (1-based).
     pub step: usize,
     /// The global training loss.
@@ -88,7 +89,7 @@ pub enum Event<'a> {
     /// The run starts.
     Started(&'a RunInfo),
     /// A training step ended.
-    Step(&'a StepStats),
+    Step(&'a Progress),
     /// A validation loss was computed.
     Validated {
         /// After this step.
@@ -223,7 +224,7 @@ impl RunInfo {
     }
 
     /// `step     40/300 ( 13%) loss 2.1234 lr 3.00e-3 8.7k tok/s elapsed 0:05 ETA 0:31`.
-    pub fn step_line(&self, s: &StepStats) -> String {
+    pub fn step_line(&self, s: &Progress) -> String {
         format!(
             "step {:>6}/{} ({:>3}%) loss {:.4} lr {:.2e} {} tok/s elapsed {} ETA {}",
             s.step,
@@ -469,7 +470,7 @@ mod tests {
 
     #[test]
     fn a_step_line_reads_as_before() {
-        let s = StepStats {
+        let s = Progress {
             step: 75,
             loss: 2.123_44,
             lr: 3e-3,
@@ -487,4 +488,15 @@ mod tests {
         assert_eq!(bytes(1536), "1.50 KiB");
         assert_eq!(bytes(123 << 20), "123 MiB");
     }
+}
+
+/// A size in bytes as a recipe writes it: whole GiB, MiB or KiB where it divides, else bytes
+/// (`kiln::parse_size` reads it back exactly).
+pub fn size(bytes: usize) -> String {
+    for (unit, scale) in [("GiB", 1usize << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
+        if bytes >= scale && bytes.is_multiple_of(scale) {
+            return format!("{}{unit}", bytes / scale);
+        }
+    }
+    bytes.to_string()
 }

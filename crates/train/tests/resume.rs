@@ -5,7 +5,8 @@ use burn::backend::Flex;
 use burn::prelude::ElementConversion;
 use burn::tensor::{Int, Tensor, TensorData};
 use common::{recipe, run};
-use kiln_hf::{Pretrained, causal_lm_loss};
+use kiln_hf::Pretrained;
+use kiln_model::causal_lm_loss;
 use kiln_train::data::Corpus;
 use std::path::Path;
 
@@ -97,11 +98,11 @@ fn an_export_is_the_trained_model_on_plain_burn() {
                 &device,
             );
             let logits = match kind {
-                "gpt2" => kiln_hf::CausalLm::forward(
+                "gpt2" => kiln_model::CausalLm::forward(
                     &kiln_gpt2::Gpt2::<Flex>::from_pretrained(&hf, &device).unwrap(),
                     x,
                 ),
-                _ => kiln_hf::CausalLm::forward(
+                _ => kiln_model::CausalLm::forward(
                     &kiln_llama::Llama::<Flex>::from_pretrained(&hf, &device).unwrap(),
                     x,
                 ),
@@ -174,11 +175,11 @@ fn a_hugging_face_checkpoint_is_the_starting_point() {
         let x = Tensor::<Flex, 2, Int>::from_data(TensorData::new(b.inputs, [4, 16]), &device);
         let y = Tensor::<Flex, 2, Int>::from_data(TensorData::new(b.targets, [4, 16]), &device);
         let logits = match kind {
-            "gpt2" => kiln_hf::CausalLm::forward(
+            "gpt2" => kiln_model::CausalLm::forward(
                 &kiln_gpt2::Gpt2::<Flex>::from_pretrained(&from, &device).unwrap(),
                 x,
             ),
-            _ => kiln_hf::CausalLm::forward(
+            _ => kiln_model::CausalLm::forward(
                 &kiln_llama::Llama::<Flex>::from_pretrained(&from, &device).unwrap(),
                 x,
             ),

@@ -6,7 +6,7 @@ mod common;
 
 use burn::backend::Flex;
 use kiln_hf::{TOKENIZER_FILE, Tokenizer};
-use kiln_train::{ModelSpec, RunOptions, train_threads};
+use kiln_train::{RunOptions, train_threads};
 use std::path::PathBuf;
 
 fn fixtures() -> PathBuf {
@@ -20,7 +20,7 @@ fn bpe_tokens_train_export_and_finetune() {
     let tokenizer = format!("data.tokenizer={:?}", bpe.display().to_string());
     let pre = common::recipe(&tmp.path().join("pre"), "ddp", &[&tokenizer]);
     // A fresh model's vocabulary is the tokenizer's.
-    let spec = ModelSpec::from_recipe(&pre.model, &pre.tokenizer().unwrap()).unwrap();
+    let spec = pre.model_config(&pre.tokenizer().unwrap()).unwrap();
     assert_eq!(spec.vocab_size(), 512);
     let summary = common::run(&pre, 1, false, None);
     let base = tmp.path().join("base");

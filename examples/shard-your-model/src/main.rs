@@ -179,7 +179,7 @@ fn train(args: &Args, group: Option<Arc<dyn ProcessGroup>>) -> Res<Run> {
         let (stepped, stats) =
             kiln::shard::step(model, &mut optim, 3e-3, &config, |m: &Classifier<B>, _| {
                 loss_fn.forward(m.forward(x.clone()), y.clone())
-            });
+            })?;
         model = stepped;
         let mut value = [stats.loss as f32];
         if let Some(g) = &group {

@@ -1,6 +1,6 @@
 //! GPT-2's Hugging Face `config.json`.
 
-use kiln_hf::HfError;
+use kiln_hf::{HfError, Unsupported};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -70,12 +70,12 @@ impl Gpt2Config {
     ///
     /// # Errors
     /// The reason, with the values.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Unsupported> {
         if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
-            return Err(format!(
+            return Err(Unsupported(format!(
                 "n_embd({}) is not a multiple of n_head({})",
                 self.n_embd, self.n_head
-            ));
+            )));
         }
         self.gelu().map(|_| ())
     }
@@ -84,13 +84,13 @@ impl Gpt2Config {
     ///
     /// # Errors
     /// For an activation other than the GELUs.
-    pub fn gelu(&self) -> Result<Gelu, String> {
+    pub fn gelu(&self) -> Result<Gelu, Unsupported> {
         match self.activation_function.as_str() {
             "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Gelu::Tanh),
             "gelu" => Ok(Gelu::Erf),
-            other => Err(format!(
+            other => Err(Unsupported(format!(
                 "activation_function '{other}' (supported: gelu_new, gelu_pytorch_tanh, gelu_fast, gelu)"
-            )),
+            ))),
         }
     }
 

@@ -86,12 +86,12 @@ pub fn write_config<C: serde::Serialize>(
 /// As [`read_config`], and [`HfError::UnsupportedConfig`] when `validate` refuses the config.
 pub fn read_validated_config<C: DeserializeOwned>(
     dir: impl AsRef<Path>,
-    validate: impl FnOnce(&C) -> Result<(), String>,
+    validate: impl FnOnce(&C) -> Result<(), crate::Unsupported>,
 ) -> Result<C, HfError> {
     let config: C = read_config(&dir)?;
     validate(&config).map_err(|reason| HfError::UnsupportedConfig {
         path: config_path(&dir),
-        reason,
+        reason: reason.0,
     })?;
     Ok(config)
 }

@@ -119,4 +119,19 @@ pub enum HfError {
     /// Setting up parallel training for the check failed (sharding, communication).
     #[error("parallel setup: {0}")]
     Parallel(String),
+    /// A config given as JSON (a fresh model's sizes, a snapshot's manifest) that the model
+    /// cannot read or run.
+    #[error("an invalid {model_type} config: {reason}")]
+    InvalidConfig {
+        /// The family.
+        model_type: String,
+        /// Why.
+        reason: String,
+    },
 }
+
+/// Why a model cannot run a config it read: the reason, with the values (a model's `validate`
+/// returns it; [`HfError::UnsupportedConfig`] names the file).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unsupported(pub String);

@@ -7,7 +7,6 @@
 //!   `safetensors` crate is used directly rather than `burn-store`).
 //! - [`read_config`]: a model's serde config from `config.json`.
 //! - [`ByteTokenizer`]: vocab 256, any UTF-8 text.
-//! - [`CausalLm`], [`causal_lm_loss`], [`generate`]: the language-model contract shared by the models.
 //! - [`Reference`] and [`verify::verify_model`]: PyTorch's numbers for a fixture directory and the
 //!   comparison against them (forward, loss, gradient norms, AdamW training, final weights).
 //!
@@ -24,11 +23,9 @@
 
 mod config;
 mod error;
-mod lm;
 mod pretrained;
 mod reference;
 mod safetensors_file;
-pub mod staged;
 mod tokenizer;
 pub mod verify;
 pub mod weights;
@@ -37,15 +34,10 @@ pub use config::{
     CONFIG_FILE, REFERENCE_FILE, WEIGHTS_FILE, config_path, model_type, read_config,
     read_validated_config, write_config,
 };
-pub use error::HfError;
-pub use lm::{
-    CausalLm, GenerateConfig, Sampling, attention_softmax, causal_lm_loss, causal_mask, generate,
-    generate_with, masked_scores, tied_logits,
-};
+pub use error::{HfError, Unsupported};
 pub use pretrained::Pretrained;
 pub use reference::{AdamWSettings, Reference};
 pub use safetensors_file::SafetensorsFile;
-pub use staged::{Carry, Staged, Unit};
 pub use tokenizer::{ByteTokenizer, TOKENIZER_FILE, Tokenizer};
 pub use weights::{
     HfGrads, HfNaming, HfTensorName, hf_grad_norms, hf_grads, hf_tensors, load_weights,

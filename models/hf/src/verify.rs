@@ -8,13 +8,12 @@
 //! `beta`, `eps` and `wd` as `f32` where PyTorch keeps Python floats: a relative difference of at
 //! most ~1e-7 in those scalars, far below the tolerances. So no AdamW of kiln's own is needed.
 
-use crate::{
-    CausalLm, HfError, HfGrads, HfNaming, Reference, causal_lm_loss, hf_grads, hf_tensors,
-};
+use crate::{HfError, HfGrads, HfNaming, Reference, hf_grads, hf_tensors};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
+use kiln_model::{CausalLm, causal_lm_loss};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;

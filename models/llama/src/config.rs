@@ -1,6 +1,6 @@
 //! The Llama family's Hugging Face `config.json`.
 
-use kiln_hf::HfError;
+use kiln_hf::{HfError, Unsupported};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -110,18 +110,18 @@ impl LlamaConfig {
     ///
     /// # Errors
     /// The reason, with the values.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Unsupported> {
         let (heads, kv) = (self.num_attention_heads, self.kv_heads());
         if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
-            return Err(format!(
+            return Err(Unsupported(format!(
                 "num_attention_heads({heads}) is not a multiple of num_key_value_heads({kv})"
-            ));
+            )));
         }
         if self.head_size() == 0 || !self.head_size().is_multiple_of(2) {
-            return Err(format!(
+            return Err(Unsupported(format!(
                 "head_dim({}) must be even and > 0",
                 self.head_size()
-            ));
+            )));
         }
         for rope in [&self.rope_parameters, &self.rope_scaling]
             .into_iter()
@@ -131,13 +131,16 @@ impl LlamaConfig {
             if let Some(kind) = kind
                 && kind != "default"
             {
-                return Err(format!(
+                return Err(Unsupported(format!(
                     "rope type '{kind}' (only 'default' RoPE is implemented)"
-                ));
+                )));
             }
         }
         if self.hidden_act != "silu" {
-            return Err(format!("hidden_act '{}' (only 'silu')", self.hidden_act));
+            return Err(Unsupported(format!(
+                "hidden_act '{}' (only 'silu')",
+                self.hidden_act
+            )));
         }
         Ok(())
     }
@@ -173,11 +176,18 @@ mod tests {
         let scaled = parse(&format!(
             r#"{{{BASE}, "rope_scaling": {{"type": "llama3", "factor": 8.0}}}}"#
         ));
-        assert!(scaled.validate().expect_err("llama3").contains("'llama3'"));
+        assert!(
+            scaled
+                .validate()
+                .expect_err("llama3")
+                .0
+                .contains("'llama3'")
+        );
         let gqa = parse(&format!(r#"{{{BASE}, "num_key_value_heads": 3}}"#));
         assert!(
             gqa.validate()
                 .expect_err("2 heads, 3 kv heads")
+                .0
                 .contains("num_attention_heads(2)")
         );
     }

@@ -6,9 +6,9 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNor
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use kiln_hf::{
-    Carry, CausalLm, HfNaming, HfTensorName, Staged, Unit, attention_softmax, causal_mask,
-    masked_scores, tied_logits,
+use kiln_hf::{HfNaming, HfTensorName};
+use kiln_model::{
+    Carry, CausalLm, Staged, Unit, attention_softmax, causal_mask, masked_scores, tied_logits,
 };
 use std::ops::Range;
 

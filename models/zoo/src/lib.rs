@@ -15,21 +15,25 @@
 //! ```
 #![warn(missing_docs)]
 
+mod kinds;
 #[cfg(feature = "sharding")]
 pub mod parallel;
 
+pub use kinds::{ModelConfig, ModelType, Sizes};
+
+/// The model types [`with_model_type!`] names (not part of the API).
+#[doc(hidden)]
+pub mod __models {
+    pub use kiln_gpt2::Gpt2;
+    pub use kiln_llama::Llama;
+}
+
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use kiln_gpt2::Gpt2;
 use kiln_hf::verify::{Parallel, SingleDevice, Tolerances, VerifyReport, verify_model_with};
-use kiln_hf::{
-    CausalLm, HfError, Pretrained, REFERENCE_FILE, Reference, WEIGHTS_FILE, config_path, model_type,
-};
-use kiln_llama::Llama;
+use kiln_hf::{HfError, Pretrained, REFERENCE_FILE, Reference, WEIGHTS_FILE};
+use kiln_model::CausalLm;
 use std::path::Path;
-
-/// The `model_type`s kiln implements.
-pub const MODEL_TYPES: [&str; 2] = ["gpt2", "llama"];
 
 /// Verifies the model directory `dir` (`config.json`, `model.safetensors`,
 /// `reference.safetensors`) against PyTorch's numbers on backend `B`: see
@@ -57,21 +61,10 @@ pub fn verify_dir_with<B: AutodiffBackend, P: Parallel<B>>(
     parallel: &P,
 ) -> Result<VerifyReport, HfError> {
     let dir = dir.as_ref();
-    let kind = model_type(dir)?;
     // Fail on an unsupported model before reading the (possibly large) files.
-    if !MODEL_TYPES.contains(&kind.as_str()) {
-        return Err(HfError::UnsupportedModel {
-            model_type: kind,
-            path: config_path(dir),
-            supported: MODEL_TYPES.join(", "),
-        });
-    }
+    let kind = ModelType::of_dir(dir)?;
     let reference = Reference::read(dir.join(REFERENCE_FILE))?;
-    match kind.as_str() {
-        "gpt2" => verify::<B, Gpt2<B>, P>(dir, &reference, tolerances, device, parallel),
-        "llama" => verify::<B, Llama<B>, P>(dir, &reference, tolerances, device, parallel),
-        _ => unreachable!("checked against MODEL_TYPES"),
-    }
+    with_model_type!(kind, M => verify::<B, M<B>, P>(dir, &reference, tolerances, device, parallel))
 }
 
 /// Builds the model of `dir`'s config, applies the strategy (before the weights are read, so that

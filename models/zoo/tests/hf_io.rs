@@ -3,10 +3,9 @@
 
 use burn::tensor::TensorData;
 use kiln_gpt2::Gpt2;
-use kiln_hf::{
-    CausalLm, GenerateConfig, HfError, Pretrained, SafetensorsFile, Sampling, WEIGHTS_FILE,
-};
+use kiln_hf::{HfError, Pretrained, SafetensorsFile, WEIGHTS_FILE};
 use kiln_llama::Llama;
+use kiln_model::{CausalLm, GenerateConfig, Sampling};
 use std::path::{Path, PathBuf};
 
 /// The backend under test.
@@ -158,7 +157,7 @@ fn generation_is_deterministic_and_seeded<M: Case>() {
             sampling,
             stop_token: None,
         };
-        kiln_hf::generate::<TB, _>(&model, &prompt, &config, &device)
+        kiln_model::generate::<TB, _>(&model, &prompt, &config, &device)
     };
     let greedy = run(Sampling::Greedy);
     assert_eq!(greedy.len(), 6);

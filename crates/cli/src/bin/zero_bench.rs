@@ -39,7 +39,7 @@ use std::time::Instant;
 static ALLOC: CountingAlloc = CountingAlloc;
 
 type Kiln = Shard<Flex>;
-type Train = burn::backend::Autodiff<Kiln>;
+type Train = kiln::Train<Flex>;
 
 #[derive(Parser, Debug)]
 #[command(name = "zero-bench")]

@@ -6,6 +6,7 @@ use super::reduce::RankMajor;
 use super::shard::{Marks, apply_marks};
 use super::state::ModelState;
 use crate::core::backend::Shard;
+use crate::core::error::ShardError;
 use crate::core::host::{Host, read, slice_local, write};
 use crate::core::ops::local;
 use crate::core::scope::waiting;
@@ -309,20 +310,20 @@ pub fn clip_grad_norm<B, AB, M>(
     module: &M,
     grads: GradientsParams,
     max_norm: f64,
-) -> (GradientsParams, f64)
+) -> Result<(GradientsParams, f64), ShardError>
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: AutodiffModule<AB>,
 {
-    let norm = grad_norm::<B, AB, M>(module, &grads);
+    let norm = grad_norm::<B, AB, M>(module, &grads)?;
     let scale = clip_coefficient(max_norm, norm);
     let grads = if scale < 1.0 {
         scale_grads::<AB, M>(module, grads, scale)
     } else {
         grads
     };
-    (grads, norm)
+    Ok((grads, norm))
 }
 
 /// What gradients of global norm `norm` are multiplied by to clip them to `max_norm`.
@@ -332,7 +333,10 @@ pub(crate) fn clip_coefficient(max_norm: f64, norm: f64) -> f64 {
 
 /// The global L2 norm of the gradients over all ranks and shards (see [`clip_grad_norm`]);
 /// not finite when any rank's gradients are not. Every rank must call it.
-pub fn grad_norm<B, AB, M>(module: &M, grads: &GradientsParams) -> f64
+///
+/// # Errors
+/// A failed all-reduce of the sharded gradients' part.
+pub fn grad_norm<B, AB, M>(module: &M, grads: &GradientsParams) -> Result<f64, ShardError>
 where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
@@ -399,16 +403,10 @@ where
     let mut norm_sq = total::<B>(sum.whole);
     for (group, parts) in sum.sharded {
         let mut part = [total::<B>(parts) as f32];
-        waiting(|| group.all_reduce((&mut part[..]).into(), ReduceOp::Sum)).unwrap_or_else(|e| {
-            panic!(
-                "kiln: rank {} could not all-reduce the gradient norm on group '{}': {e}",
-                group.rank(),
-                group.name()
-            )
-        });
+        waiting(|| group.all_reduce((&mut part[..]).into(), ReduceOp::Sum))?;
         norm_sq += f64::from(part[0]);
     }
-    norm_sq.sqrt()
+    Ok(norm_sq.sqrt())
 }
 
 /// The gradients multiplied by `factor`.

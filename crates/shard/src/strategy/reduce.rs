@@ -319,11 +319,11 @@ pub(crate) fn cat(parts: &[Host]) -> Host {
 /// decorator's parity checks on CUDA + NCCL, which go through these paths.
 #[cfg(feature = "cuda")]
 mod on_device {
-    use crate::strategy::reduce::{RankMajor, Reduction};
     use crate::core::scope::waiting;
     use crate::core::tensor::{ShardTensor, Sharded};
     use crate::features::zero::flat;
     use crate::features::zero::on_device::{flat as flat1, is_nccl, padded, slice};
+    use crate::strategy::reduce::{RankMajor, Reduction};
     use burn_backend::Backend;
     use burn_std::Shape;
     use kiln_comm::ReduceOp;

@@ -56,7 +56,7 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
     M: Module<AB>,
 {
-    let (shard_group, replicate_group) = match config.strategy {
+    let groups = match config.strategy {
         Strategy::Hybrid { shard_size } => {
             let world = group.world_size();
             if shard_size == 0 || !world.is_multiple_of(shard_size) {
@@ -73,10 +73,68 @@ where
                 },
             )?;
             let groups = mesh.groups(group.as_ref())?;
-            (groups.dp_shard, Some(groups.dp_replicate))
+            ShardGroups {
+                dp: group,
+                shard: groups.dp_shard,
+                replicate: Some(groups.dp_replicate),
+            }
         }
-        _ => (group.clone(), None),
+        _ => ShardGroups {
+            shard: group.clone(),
+            dp: group,
+            replicate: None,
+        },
     };
+    shard_over::<B, AB, M>(module, groups, config)
+}
+
+/// The groups a strategy uses: the data-parallel ranks, the ranks parameters are sharded
+/// over, and (hybrid) the ranks holding the same shard.
+#[derive(Debug, Clone)]
+pub struct ShardGroups {
+    /// Every data-parallel rank (the ranks holding the same model).
+    pub dp: Arc<dyn ProcessGroup>,
+    /// The ranks parameters, gradients and optimizer state are sharded over: `dp`, or under
+    /// hybrid sharding a group of consecutive ranks within it.
+    pub shard: Arc<dyn ProcessGroup>,
+    /// Hybrid: the ranks holding the same shard (replicas, all-reduced across).
+    pub replicate: Option<Arc<dyn ProcessGroup>>,
+}
+
+/// [`shard`] over groups the caller built (a job's one device mesh: `dp`, `dp_shard`,
+/// `dp_replicate`).
+///
+/// # Errors
+/// As [`shard`]; a hybrid strategy without a replicate group, or sharding groups that do not
+/// match its shard size.
+pub fn shard_over<B, AB, M>(
+    module: M,
+    groups: ShardGroups,
+    config: ShardConfig,
+) -> Result<M, ShardError>
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: Module<AB>,
+{
+    let ShardGroups {
+        dp: group,
+        shard: shard_group,
+        replicate: replicate_group,
+    } = groups;
+    if let Strategy::Hybrid { shard_size } = config.strategy
+        && (shard_group.world_size() != shard_size || replicate_group.is_none())
+    {
+        return Err(ShardError::Config(format!(
+            "hybrid:{shard_size} needs sharding groups of {shard_size} ranks and a replicate              group, got sharding groups of {} ranks{}",
+            shard_group.world_size(),
+            if replicate_group.is_none() {
+                " and no replicate group"
+            } else {
+                ""
+            }
+        )));
+    }
     scope::attribute_to_rank(group.rank());
     sync::check_shapes(&module, group.as_ref())?;
     let seed = sync::job_seed(group.as_ref())?;

@@ -3,6 +3,7 @@
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use kiln_comm::hash::SplitMix64;
 
 /// The additive causal attention mask `[1, 1, seq, seq]`: 0 where a position may attend, the
 /// most negative float above the diagonal.
@@ -101,25 +102,6 @@ pub struct GenerateConfig {
     pub sampling: Sampling,
     /// Stop after generating this token (it is included in the output).
     pub stop_token: Option<u32>,
-}
-
-/// SplitMix64 (Steele, Lea, Flood 2014): tiny, seedable, the same stream on every platform.
-#[derive(Debug, Clone)]
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1) with 53 random bits.
-    fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 fn argmax(values: &[f32]) -> usize {
