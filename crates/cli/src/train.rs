@@ -221,13 +221,6 @@ pub struct FinetuneArgs {
 }
 
 /// The attention projections of a base, by its `model_type`.
-fn default_targets(model_type: &str) -> &'static [&'static str] {
-    match model_type {
-        "gpt2" => &["c_attn", "attn.c_proj"],
-        _ => &["q_proj", "k_proj", "v_proj", "o_proj"],
-    }
-}
-
 pub fn finetune(args: &FinetuneArgs) -> Result<()> {
     let t = &args.train;
     if t.print_recipe {
@@ -238,10 +231,10 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
         return Ok(());
     }
     // What the recipe file already says about LoRA: flags and defaults fill in the rest.
+    // Read once: what the recipe file already says about LoRA, and the recipe itself below.
+    let (text, origin) = Recipe::read(t.recipe.as_deref())?;
     let file: toml::Table = match &t.recipe {
-        Some(p) => {
-            toml::from_str(&std::fs::read_to_string(p).unwrap_or_default()).unwrap_or_default()
-        }
+        Some(_) => toml::from_str(&text).with_context(|| format!("{origin} is not valid TOML"))?,
         None => toml::Table::new(),
     };
     let in_file = |key: &str| {
@@ -271,8 +264,8 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
     }
     if !args.targets.is_empty() || !in_file("targets") {
         let targets: Vec<String> = if args.targets.is_empty() {
-            let kind = kiln_hf::model_type(&from)?;
-            default_targets(&kind)
+            kiln_zoo::ModelType::of_dir(&from)?
+                .default_lora_targets()
                 .iter()
                 .map(|s| s.to_string())
                 .collect()
@@ -298,7 +291,7 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
         o.push("lora.qlora=true".into());
     }
     o.extend(t.overrides());
-    let recipe = Recipe::load(t.recipe.as_deref(), &o)?;
+    let recipe = Recipe::parse(&text, &origin, &o)?;
     run(&recipe, t)
 }
 
@@ -315,7 +308,7 @@ fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
             &env,
             GroupOptions::default(),
         )
-        .with_context(|| format!("parallel.backend = {:?}", recipe.parallel.backend))?;
+        .with_context(|| format!("parallel.backend = \"{}\"", recipe.parallel.backend.name()))?;
         let slot = Slot {
             local_rank: env.local_rank,
             local_world_size: env.local_world_size,

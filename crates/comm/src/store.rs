@@ -247,13 +247,13 @@ fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool, token: Option<&[u8]>
         let timeout = Duration::from_millis(read_u64(&mut r)?);
         let (status, body) = match op[0] {
             OP_SET => {
-                table.map.lock().expect("store").insert(key, val);
+                crate::lock(&table.map).insert(key, val);
                 table.changed.notify_all();
                 (ST_OK, Vec::new())
             }
             OP_GET => {
                 let deadline = Instant::now() + timeout;
-                let mut map = table.map.lock().expect("store");
+                let mut map = crate::lock(&table.map);
                 loop {
                     if let Some(v) = map.get(&key) {
                         break (ST_OK, v.clone());
@@ -265,7 +265,7 @@ fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool, token: Option<&[u8]>
                     map = table
                         .changed
                         .wait_timeout(map, (deadline - now).min(Duration::from_millis(500)))
-                        .expect("store")
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .0;
                 }
             }
@@ -275,7 +275,7 @@ fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool, token: Option<&[u8]>
                         .try_into()
                         .map_err(|_| invalid("add needs 8 bytes"))?,
                 );
-                let mut map = table.map.lock().expect("store");
+                let mut map = crate::lock(&table.map);
                 let cur = map
                     .get(&key)
                     .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
@@ -287,11 +287,11 @@ fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool, token: Option<&[u8]>
                 (ST_OK, new.to_le_bytes().to_vec())
             }
             OP_CHECK => {
-                let present = table.map.lock().expect("store").contains_key(&key);
+                let present = crate::lock(&table.map).contains_key(&key);
                 (ST_OK, vec![u8::from(present)])
             }
             OP_DELETE => {
-                let present = table.map.lock().expect("store").remove(&key).is_some();
+                let present = crate::lock(&table.map).remove(&key).is_some();
                 (ST_OK, vec![u8::from(present)])
             }
             other => (ST_ERROR, format!("unknown store op {other}").into_bytes()),
@@ -399,7 +399,7 @@ impl StoreClient {
     /// The local address of the connection: the interface through which this host reaches
     /// rank 0, which is the one to publish to peers.
     pub fn local_ip(&self) -> Result<std::net::IpAddr> {
-        let conn = self.conn.lock().expect("store client");
+        let conn = crate::lock(&self.conn);
         conn.local_addr()
             .map(|a| a.ip())
             .map_err(|e| CommError::Io {
@@ -413,7 +413,7 @@ impl StoreClient {
             addr: self.addr.clone(),
             message,
         };
-        let mut conn = self.conn.lock().expect("store client");
+        let mut conn = crate::lock(&self.conn);
         let io = |e: std::io::Error| store_err(format!("lost the connection to the store: {e}"));
         conn.set_read_timeout(Some(timeout + Duration::from_secs(5)))
             .map_err(io)?;

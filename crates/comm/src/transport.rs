@@ -217,7 +217,7 @@ impl Mailbox {
     }
 
     pub fn push(&self, src: usize, msg: Message) {
-        let mut state = self.state.lock().expect("mailbox lock");
+        let mut state = crate::lock(&self.state);
         let key = (msg.header.group, src, msg.header.lane);
         state.queues.entry(key).or_default().push_back(msg);
         drop(state);
@@ -226,7 +226,7 @@ impl Mailbox {
 
     /// Marks `src` as gone: once its queued messages are consumed, receives from it fail.
     pub fn close(&self, src: usize, reason: String) {
-        let mut state = self.state.lock().expect("mailbox lock");
+        let mut state = crate::lock(&self.state);
         state.closed.entry(src).or_insert(reason);
         drop(state);
         self.arrived.notify_all();
@@ -240,7 +240,7 @@ impl Mailbox {
         lane: Lane,
         deadline: Instant,
     ) -> Result<Message, RecvError> {
-        let mut state = self.state.lock().expect("mailbox lock");
+        let mut state = crate::lock(&self.state);
         loop {
             if let Some(msg) = state
                 .queues

@@ -448,14 +448,34 @@ impl Recipe {
     /// A missing or unreadable file, invalid TOML, an unknown key (named), a value of the wrong
     /// type, an inconsistent setting (see [`Recipe::validate`]).
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Recipe> {
-        let (text, origin) = match path {
+        let (text, origin) = Recipe::read(path)?;
+        Recipe::parse(&text, &origin, overrides)
+    }
+
+    /// The text of the recipe at `path` (the default recipe's when `None`) and where it came
+    /// from, for [`Recipe::parse`].
+    ///
+    /// # Errors
+    /// A missing or unreadable file.
+    pub fn read(path: Option<&Path>) -> Result<(String, String)> {
+        Ok(match path {
             Some(p) => (
                 std::fs::read_to_string(p)
                     .io(|| format!("cannot read the recipe {}", p.display()))?,
                 p.display().to_string(),
             ),
             None => (DEFAULT_TOML.to_string(), "the default recipe".to_string()),
-        };
+        })
+    }
+
+    /// A recipe from its TOML `text` (read from `origin`, named in errors) with `overrides`
+    /// applied (`a.b=value`; the value is a TOML literal, or else a string).
+    ///
+    /// # Errors
+    /// Invalid TOML, an unknown key (named), a value of the wrong type, an inconsistent setting
+    /// (see [`Recipe::validate`]).
+    pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Recipe> {
+        let (text, origin) = (text.to_string(), origin.to_string());
         let mut doc: toml::Table =
             toml::from_str(&text).map_err(|e| TrainError::Recipe(format!("{origin}: {e}")))?;
         for o in overrides {

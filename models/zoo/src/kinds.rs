@@ -36,6 +36,15 @@ impl ModelType {
         Self::ALL.map(Self::name).join(", ")
     }
 
+    /// The weights LoRA adapts when none are named: the attention projections (PEFT's
+    /// defaults for these families).
+    pub fn default_lora_targets(self) -> &'static [&'static str] {
+        match self {
+            ModelType::Gpt2 => &["c_attn", "attn.c_proj"],
+            ModelType::Llama => &["q_proj", "k_proj", "v_proj", "o_proj"],
+        }
+    }
+
     /// The family a `model_type` names.
     pub fn from_name(name: &str) -> Option<ModelType> {
         Self::ALL.into_iter().find(|t| t.name() == name)
