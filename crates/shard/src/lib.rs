@@ -65,7 +65,8 @@ pub use features::zero::View;
 pub use features::{lowrank, precision, remat};
 pub use precision::{LossScale, Precision, autocast};
 pub use step::{Passes, StepConfig, StepStats, step, step_with};
-pub use strategy::config::{InitSync, ShardConfig, Strategy};
+pub use strategy::buffers::{buffer_paths, sync_buffers};
+pub use strategy::config::{BufferPolicy, InitSync, ShardConfig, Strategy};
 pub use strategy::optim::{ShardedOptimizer, clip_grad_norm, grad_norm, scale_grads};
 pub use strategy::prefetch::PrefetchStats;
 pub use strategy::shard::{

@@ -65,11 +65,14 @@ where
     let mut parts = Vec::new();
     // Frozen parameters (a LoRA base) never change: the snapshot holds what trains.
     let trainable = pieces::trainable_paths::<Train<B, C>, M>(model);
+    // Buffers (BatchNorm's statistics) are part of the model's state too; equal on every rank.
+    let buffers = kiln_shard::buffer_paths::<Train<B, C>, M>(model, &[]);
     let other_stage = |path: &str, t: &ShardTensor<B>| {
         t.shape().num_elements() == 0 || pipe.is_some_and(|p| p.holds_copy(path))
     };
     pieces::visit_params::<B, Train<B, C>, M>(model, |path, _, t| {
-        if trainable.contains(path) && !other_stage(path, t) {
+        let saved = trainable.contains(path) || buffers.contains(path);
+        if saved && !other_stage(path, t) {
             parts.push(part_of(format!("{TENSOR_PREFIX}{path}"), t, world, rank));
         }
     });
@@ -132,8 +135,10 @@ where
 {
     let mut error = None;
     let trainable = pieces::trainable_paths::<Train<B, C>, M>(&model);
+    let buffers = kiln_shard::buffer_paths::<Train<B, C>, M>(&model, &[]);
     let model = pieces::map_params::<B, Train<B, C>, M>(model, |path, t| {
-        if !trainable.contains(path) || t.shape().num_elements() == 0 {
+        let saved = trainable.contains(path) || buffers.contains(path);
+        if !saved || t.shape().num_elements() == 0 {
             // Frozen: loaded from the base, as at the start. Empty: another pipeline stage's.
             return pieces::piece(t).values.to_vec();
         }

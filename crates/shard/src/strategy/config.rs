@@ -95,6 +95,20 @@ pub enum InitSync {
     Verify,
 }
 
+/// How a model's buffers (BatchNorm's running statistics; see `strategy::buffers`) are made
+/// equal across the data-parallel ranks after every optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum BufferPolicy {
+    /// Every rank takes rank 0's (PyTorch DDP's `broadcast_buffers=True`).
+    #[default]
+    Broadcast,
+    /// Every rank takes the ranks' mean: for running means, the statistic of the whole batch.
+    Mean,
+    /// Each rank keeps its own (they differ across ranks).
+    Local,
+}
+
 /// What [`shard`](crate::shard()) sets up.
 #[derive(Debug, Clone)]
 pub struct ShardConfig {
@@ -116,6 +130,12 @@ pub struct ShardConfig {
     /// up to this many bytes of whole parameters in flight (at least one parameter; 0: no
     /// prefetch).
     pub prefetch_bytes: usize,
+    /// How buffers are made equal across ranks after every optimizer step.
+    pub buffers: BufferPolicy,
+    /// Module paths of further buffers (globs; a pattern without a dot matches a path's last
+    /// component): a model's own `RunningState`s. Burn's `BatchNorm` statistics are always
+    /// buffers.
+    pub buffer_paths: Vec<String>,
 }
 
 impl ShardConfig {
@@ -127,6 +147,8 @@ impl ShardConfig {
             init: InitSync::FromRank0,
             overlap: true,
             prefetch_bytes: 32 << 20,
+            buffers: BufferPolicy::Broadcast,
+            buffer_paths: Vec::new(),
         }
     }
     /// Another bucket size.
@@ -142,6 +164,16 @@ impl ShardConfig {
     /// Communication overlapped with computation, or not (see [`ShardConfig::overlap`]).
     pub fn with_overlap(mut self, overlap: bool) -> Self {
         self.overlap = overlap;
+        self
+    }
+    /// Another buffer policy (see [`ShardConfig::buffers`]).
+    pub fn with_buffers(mut self, policy: BufferPolicy) -> Self {
+        self.buffers = policy;
+        self
+    }
+    /// Further buffer paths (see [`ShardConfig::buffer_paths`]).
+    pub fn with_buffer_paths(mut self, patterns: &[&str]) -> Self {
+        self.buffer_paths = patterns.iter().map(|p| p.to_string()).collect();
         self
     }
     /// Another prefetch budget (see [`ShardConfig::prefetch_bytes`]).

@@ -12,13 +12,15 @@
 //! Every strategy starts in [`shard`](shard::shard) (`shard.rs`): shapes checked and weights made
 //! equal across ranks (`sync.rs`), parameters marked for the gradient hook and registered
 //! (`state.rs`), sharded where the strategy says. `optim.rs` is the optimizer's side
-//! ([`ShardedOptimizer`](optim::ShardedOptimizer), global-norm clipping); `stats.rs` what a
+//! ([`ShardedOptimizer`](optim::ShardedOptimizer), global-norm clipping); `buffers.rs` keeps
+//! buffers (BatchNorm's running statistics) whole and equal across ranks; `stats.rs` what a
 //! model's strategy did.
 //!
 //! This layer sits on the core and the features (ZeRO's gathers and views, precision), never the
 //! other way round: a shard carries its own gather (`ShardOps`), and a parameter's shard carries
 //! its model's prefetcher weakly (`prefetch::Tagged`), so the core never looks a model up.
 
+pub mod buffers;
 pub mod config;
 pub(crate) mod hook;
 pub mod optim;

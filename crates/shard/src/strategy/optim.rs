@@ -1,5 +1,6 @@
 //! The optimizer side: ZeRO-1/2's slice-step-gather, and global gradient-norm clipping.
 
+use super::buffers::sync_buffers;
 use super::config::buckets;
 use super::params::replace_primitive;
 use super::reduce::RankMajor;
@@ -103,6 +104,21 @@ where
         module = gather_bucketed::<B, AB, M>(module, &marks, m);
     }
     let module = apply_marks::<B, AB, M>(module, &marks);
+    // Buffers (BatchNorm's running statistics) made equal across the ranks, as the model's
+    // policy says.
+    let module = match marks.models().first() {
+        Some(m) => {
+            let config = &m.config;
+            sync_buffers::<B, AB, M>(
+                module,
+                m.dp_group.as_ref(),
+                config.buffers,
+                &config.buffer_paths,
+            )
+            .unwrap_or_else(|e| panic!("kiln: making buffers equal across ranks: {e}"))
+        }
+        None => module,
+    };
     for m in marks.models() {
         if let Some(p) = &m.prefetch {
             super::prefetch::prime(p);

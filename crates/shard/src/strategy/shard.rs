@@ -1,6 +1,7 @@
 //! `shard`: puts a model under a strategy; `gather_model`: the whole model back; the model's
 //! gradient-sync marks (`remark`, `backward`, `no_sync`, `reduce_gradients`, `release`).
 
+use super::buffers::Where;
 use super::config::{InitSync, ShardConfig, Strategy, buckets};
 use super::params::{Path, mark_of, replace_primitive};
 use super::prefetch::{Prefetcher, track};
@@ -153,6 +154,7 @@ where
         None
     };
     let bucket_bytes = config.bucket_bytes;
+    let buffer_paths = config.buffer_paths.clone();
     let init = config.init;
     // NCCL groups keep blocking collectives: a communication thread would need the CUDA
     // context and a stream ordered with the compute stream.
@@ -167,6 +169,7 @@ where
     let state = Arc::new(ModelState {
         seq: next_seq(),
         world_rank: group.rank(),
+        dp_group: group.clone(),
         shard_group: shard_group.clone(),
         replicate_group,
         config,
@@ -177,6 +180,7 @@ where
     let mut mapper = Sharder::<B> {
         state,
         path: Path::default(),
+        place: Where::default(),
         seed,
         scatter,
         shard_params,
@@ -192,6 +196,7 @@ where
             group.as_ref(),
             bucket_bytes,
             !shard_params,
+            &buffer_paths,
         )?;
     }
     Ok(module)
@@ -211,6 +216,7 @@ where
 struct Sharder<B: Backend> {
     state: Arc<ModelState<B>>,
     path: Path,
+    place: Where,
     seed: u64,
     scatter: Option<Scatter>,
     shard_params: bool,
@@ -221,14 +227,26 @@ where
     B: Backend,
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
 {
-    fn enter_module(&mut self, name: &str, _: &str) {
+    fn enter_module(&mut self, name: &str, container: &str) {
         self.path.push(name);
+        self.place.enter(name, container);
     }
     fn exit_module(&mut self, _: &str, _: &str) {
         self.path.pop();
+        self.place.exit();
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        if self.place.is_buffer(&self.state.config.buffer_paths) {
+            // A buffer: whole on every rank, never sharded (made equal by the initial
+            // broadcast and after every optimizer step).
+            if let Some(scatter) = &mut self.scatter {
+                scatter.skip();
+            }
+            let (id, tensor, mapper) = param.consume();
+            let tensor = replace_primitive::<B, AB, D>(tensor, |t| ShardTensor::Local(local(t)));
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
         let group = self.state.shard_group.clone();
         let shard_params = self.shard_params;
         let path = self.path.join();

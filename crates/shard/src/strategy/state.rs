@@ -40,6 +40,8 @@ pub(crate) struct ModelState<B: Backend> {
     pub seq: u64,
     /// This rank's index in the group the model was sharded over.
     pub world_rank: usize,
+    /// Every data-parallel rank (buffers are made equal over it).
+    pub dp_group: Arc<dyn ProcessGroup>,
     pub shard_group: Arc<dyn ProcessGroup>,
     pub replicate_group: Option<Arc<dyn ProcessGroup>>,
     pub config: ShardConfig,

@@ -1,6 +1,7 @@
 //! Making the ranks' models equal when they are sharded: shapes checked, weights broadcast from
 //! rank 0 (or scattered as shards), or fingerprints compared when the caller vouches for them.
 
+use super::buffers::Where;
 use super::config::buckets;
 use super::params::{Path, replace_primitive};
 use crate::core::backend::Shard;
@@ -171,6 +172,11 @@ impl Scatter {
         })
     }
 
+    /// Passes over a float that is not sharded (a buffer), in module order on every rank.
+    pub fn skip(&mut self) {
+        self.index += 1;
+    }
+
     /// One parameter, in module order on every rank: this rank's shard of rank 0's values.
     pub fn param<B, AB, const D: usize>(
         &mut self,
@@ -266,7 +272,8 @@ impl Scatter {
     }
 }
 
-/// Makes every rank's whole parameters (when `floats`) and int and bool buffers rank 0's, one
+/// Makes every rank's whole parameters (when `floats`), its float buffers (see
+/// `strategy::buffers`, with `buffers` as further paths) and int and bool buffers rank 0's, one
 /// bucket of about `bucket_bytes` at a time (a bucket is read, broadcast and written back before
 /// the next, so no rank holds more than one bucket of copies).
 pub(crate) fn broadcast_from_rank0<B, AB, M>(
@@ -274,6 +281,7 @@ pub(crate) fn broadcast_from_rank0<B, AB, M>(
     group: &dyn ProcessGroup,
     bucket_bytes: usize,
     floats: bool,
+    buffers: &[String],
 ) -> Result<M, ShardError>
 where
     B: Backend,
@@ -283,9 +291,12 @@ where
     // The plan: every tensor's index, kind and size, in module order (the same on every rank).
     // A bucket holds one kind: floats travel in their own dtype, ints and bools as i64.
     #[derive(Default)]
-    struct Plan {
+    struct Plan<'a> {
         tensors: Vec<(usize, Kind, usize)>,
         floats: bool,
+        /// Buffers are sent even when `floats` is off (ZeRO-3 keeps them whole).
+        buffers: &'a [String],
+        place: Where,
         at: usize,
     }
     #[derive(Clone, Copy, PartialEq)]
@@ -293,9 +304,10 @@ where
         Float(DType),
         Int,
     }
-    impl Plan {
+    impl Plan<'_> {
         fn push(&mut self, kind: Kind, numel: usize) {
-            if self.floats || kind == Kind::Int {
+            let buffer = matches!(kind, Kind::Float(_)) && self.place.is_buffer(self.buffers);
+            if self.floats || buffer || kind == Kind::Int {
                 let size = match kind {
                     Kind::Float(dtype) => numel * dtype.size(),
                     Kind::Int => numel * 8,
@@ -305,7 +317,13 @@ where
             self.at += 1;
         }
     }
-    impl<AB: Backend> ModuleVisitor<AB> for Plan {
+    impl<AB: Backend> ModuleVisitor<AB> for Plan<'_> {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.place.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.place.exit();
+        }
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
             // `shard` has initialised every parameter it leaves replicated.
             let t = p.val();
@@ -319,8 +337,11 @@ where
         }
     }
     let mut plan = Plan {
+        tensors: Vec::new(),
         floats,
-        ..Plan::default()
+        buffers,
+        place: Where::default(),
+        at: 0,
     };
     module.visit(&mut plan);
     let sizes: Vec<(Kind, usize)> = plan.tensors.iter().map(|&(_, k, n)| (k, n)).collect();
