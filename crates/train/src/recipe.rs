@@ -894,7 +894,6 @@ mod tests {
         assert_eq!(r.train.lr, 0.5);
         assert_eq!(r.parallel.strategy, Strategy::Zero3);
         let r = Recipe::load(None, &["parallel.strategy=\"hybrid:2\"".into()]).unwrap();
-        assert_eq!(Recipe::load(None, &[]).unwrap().to_toml().is_empty(), false);
         let back: Recipe = toml::from_str(&r.to_toml()).unwrap();
         assert_eq!(back, r);
         let e = Recipe::load(None, &["train.stpes=3".into()]).unwrap_err();

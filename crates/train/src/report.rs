@@ -429,6 +429,17 @@ pub fn clock(secs: f64) -> String {
     }
 }
 
+/// A size in bytes as a recipe writes it: whole GiB, MiB or KiB where it divides, else bytes
+/// (`kiln::parse_size` reads it back exactly).
+pub fn size(bytes: usize) -> String {
+    for (unit, scale) in [("GiB", 1usize << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
+        if bytes >= scale && bytes.is_multiple_of(scale) {
+            return format!("{}{unit}", bytes / scale);
+        }
+    }
+    bytes.to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -488,15 +499,4 @@ mod tests {
         assert_eq!(bytes(1536), "1.50 KiB");
         assert_eq!(bytes(123 << 20), "123 MiB");
     }
-}
-
-/// A size in bytes as a recipe writes it: whole GiB, MiB or KiB where it divides, else bytes
-/// (`kiln::parse_size` reads it back exactly).
-pub fn size(bytes: usize) -> String {
-    for (unit, scale) in [("GiB", 1usize << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
-        if bytes >= scale && bytes.is_multiple_of(scale) {
-            return format!("{}{unit}", bytes / scale);
-        }
-    }
-    bytes.to_string()
 }

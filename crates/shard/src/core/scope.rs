@@ -296,6 +296,8 @@ impl Scope {
 }
 
 /// One change of the scope, for the length of a [`with`] call.
+// Short-lived, one at a time: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Set {
     /// The allocation kind ([`MemKind`] as a number).

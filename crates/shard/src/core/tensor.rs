@@ -65,6 +65,8 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
         None
     }
     /// `linear(x, self, bias)` computed without forming the value, or the arguments back.
+    // The arguments come back unboxed: this runs once per `linear`, and boxing would allocate.
+    #[allow(clippy::result_large_err)]
     fn linear(self: Arc<Self>, x: ShardTensor<B>, bias: Option<ShardTensor<B>>) -> LinearArgs<B> {
         Err((x, bias))
     }

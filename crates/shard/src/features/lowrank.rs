@@ -299,6 +299,7 @@ impl<B: Backend> Deferred<B> for LowRank<B> {
     fn value(&self) -> Prim<B> {
         self.formed()
     }
+    #[allow(clippy::result_large_err)]
     fn linear(self: Arc<Self>, x: ShardTensor<B>, bias: Option<ShardTensor<B>>) -> LinearArgs<B> {
         Ok(linear::<B>(x, self, bias))
     }
