@@ -264,7 +264,7 @@ fn run_rank<M: Pipelineable>(
                 |mb| tokens(rows(mb), step, 0),
                 |logits, mb| causal_lm_loss(logits, tokens(rows(mb), step, 1)).div_scalar(m as f64),
             )
-            .expect("a pipelined step");
+            .unwrap_or_else(|e| panic!("{e}"));
         model = next;
         if step == 0 {
             assert!(
