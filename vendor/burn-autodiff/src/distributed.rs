@@ -1,12 +1,84 @@
-use std::marker::PhantomData;
+use std::any::{Any, TypeId};
+use std::sync::{OnceLock, RwLock};
 
 use crate::collections::HashMap;
 use burn_backend::{
+    Backend,
     distributed::{DistributedBackend, DistributedParams, TensorRef},
     tensor::TensorContainer,
 };
 
 use crate::{NodeId, grads::GradID};
+
+// Added for kiln (see KILN-PATCH.md): the gradient-sync hooks of a backend are looked up at
+// run time, so that with the `distributed` feature on, `Autodiff<B>` is an `AutodiffBackend`
+// for every backend (plain `Autodiff<Flex>` keeps training in a build that contains kiln), and
+// a backend that syncs gradients registers its hooks with [`register_distributed`].
+
+/// A backend's gradient-sync hooks (its `DistributedBackend` methods).
+pub struct Hooks<B: Backend> {
+    /// `DistributedBackend::register_sync_parameters`.
+    pub register_sync_parameters: fn(&B::Device, Vec<DistributedParams>),
+    /// `DistributedBackend::submit_gradient_sync`.
+    pub submit_gradient_sync: fn(TensorRef<B>, DistributedParams),
+    /// `DistributedBackend::submit_sync_collective`.
+    pub submit_sync_collective: fn(&B::Device),
+}
+
+impl<B: Backend> Clone for Hooks<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Hooks<B> {}
+
+fn registry() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>> =
+        OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Registers `B`'s gradient-sync hooks: the parameters of an `Autodiff<B>` model marked
+/// distributed (`Tensor::set_distributed`) have their final gradients handed to `B` during
+/// backward. Idempotent.
+pub fn register_distributed<B: DistributedBackend>() {
+    let hooks = Hooks::<B> {
+        register_sync_parameters: B::register_sync_parameters,
+        submit_gradient_sync: B::submit_gradient_sync,
+        submit_sync_collective: B::submit_sync_collective,
+    };
+    registry()
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(TypeId::of::<B>(), Box::new(hooks));
+}
+
+/// `B`'s hooks, if registered.
+pub fn hooks<B: Backend>() -> Option<Hooks<B>> {
+    registry()
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&TypeId::of::<B>())
+        .and_then(|h| h.downcast_ref::<Hooks<B>>())
+        .copied()
+}
+
+/// `B`'s hooks, for a graph with parameters marked distributed.
+///
+/// # Panics
+/// If none were registered: the gradients would silently not be synced.
+pub fn required_hooks<B: Backend>() -> Hooks<B> {
+    hooks::<B>().unwrap_or_else(|| {
+        panic!(
+            "burn-autodiff (kiln's build): parameters of an Autodiff<{}> model are marked \
+             distributed, but that backend registered no gradient-sync hooks; call \
+             burn_autodiff::register_distributed::<B>() once for a DistributedBackend \
+             (kiln's decorator registers its own)",
+            core::any::type_name::<B>()
+        )
+    })
+}
 
 /// Trait for registering distributed gradients.
 pub trait DistributedRegistration {
@@ -16,13 +88,13 @@ pub trait DistributedRegistration {
 
 /// Submits sync operations on gradient registrations.
 #[derive(new)]
-pub struct DistributedGradientRegistration<B: DistributedBackend> {
+pub struct DistributedGradientRegistration<B: Backend> {
     n_required_map: HashMap<NodeId, usize>,
     sharded_parameters_map: HashMap<NodeId, DistributedParams>,
-    _backend: PhantomData<B>,
+    hooks: Hooks<B>,
 }
 
-impl<B: DistributedBackend> DistributedRegistration for DistributedGradientRegistration<B> {
+impl<B: Backend> DistributedRegistration for DistributedGradientRegistration<B> {
     fn on_register(&mut self, id: &NodeId, container: &mut TensorContainer<GradID>) {
         if let Some(sharded_params) = self.sharded_parameters_map.get(id) {
             let n_required = self.n_required_map.get_mut(id).unwrap();
@@ -31,7 +103,7 @@ impl<B: DistributedBackend> DistributedRegistration for DistributedGradientRegis
             if *n_required == 0 {
                 let tensor_ref = container.get_mut_ref::<B>(&id.value).unwrap();
                 let tensor_ref = TensorRef(tensor_ref.get_mut_ref());
-                B::submit_gradient_sync(tensor_ref, sharded_params.clone());
+                (self.hooks.submit_gradient_sync)(tensor_ref, sharded_params.clone());
             }
         }
     }

@@ -5,8 +5,6 @@ use burn_backend::{
 
 #[cfg(feature = "distributed")]
 use crate::distributed::DistributedRegistration;
-#[cfg(feature = "distributed")]
-use burn_backend::distributed::DistributedBackend;
 
 use crate::{
     NodeId,
@@ -130,9 +128,9 @@ impl Gradients {
 
     #[cfg(feature = "distributed")]
     /// For distributed models, waits for collective operations to be completed so the gradients are synced across devices.
-    pub fn sync_collective<B: DistributedBackend>(&self, device: &B::Device) {
+    pub fn sync_collective<B: Backend>(&self, device: &B::Device) {
         if self.is_distributed() {
-            B::submit_sync_collective(device);
+            (crate::distributed::required_hooks::<B>().submit_sync_collective)(device);
         }
     }
 }

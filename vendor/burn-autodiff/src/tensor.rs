@@ -8,7 +8,7 @@ use alloc::{boxed::Box, sync::Arc, vec};
 use burn_backend::{Backend, TensorMetadata};
 
 #[cfg(feature = "distributed")]
-use burn_backend::distributed::{DistributedBackend, DistributedParamId, DistributedParams};
+use burn_backend::distributed::{DistributedParamId, DistributedParams};
 
 #[derive(Debug, Clone)]
 pub struct AutodiffTensor<B: Backend> {
@@ -227,7 +227,7 @@ impl<B: Backend> AutodiffTensor<B> {
 }
 
 #[cfg(feature = "distributed")]
-impl<B: DistributedBackend> AutodiffTensor<B> {
+impl<B: Backend> AutodiffTensor<B> {
     pub fn backward(self) -> Gradients {
         let device = B::float_device(&self.primitive);
         let client = self.node.client.clone();

@@ -123,6 +123,9 @@ where
         shard: shard_group,
         replicate: replicate_group,
     } = groups;
+    // kiln's burn-autodiff hands final gradients to the hooks a backend registered.
+    #[cfg(burn_autodiff_hooks)]
+    burn_autodiff::distributed::register_distributed::<Shard<B>>();
     if let Strategy::Hybrid { shard_size } = config.strategy
         && (shard_group.world_size() != shard_size || replicate_group.is_none())
     {

@@ -10,11 +10,8 @@ use crate::{
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 
-#[cfg(not(feature = "distributed"))]
 use burn_backend::Backend;
 
-#[cfg(feature = "distributed")]
-use burn_backend::distributed::DistributedBackend;
 use hashbrown::{HashMap, HashSet};
 
 #[cfg(feature = "std")]
@@ -128,7 +125,7 @@ impl AutodiffClient for GraphMutexClient {
     }
 
     #[cfg(feature = "distributed")]
-    fn backward<B: DistributedBackend>(&self, root: AutodiffTensor<B>) -> Gradients {
+    fn backward<B: Backend>(&self, root: AutodiffTensor<B>) -> Gradients {
         let node_id = root.node.id;
         let graph = GraphMutexClient::graph(root.node.id, &[]);
 

@@ -18,10 +18,9 @@ use burn_backend::tensor::FloatTensor;
 
 #[cfg(feature = "distributed")]
 use crate::distributed::{DistributedGradientRegistration, DistributedRegistration};
-#[cfg(not(feature = "distributed"))]
 use burn_backend::Backend;
 #[cfg(feature = "distributed")]
-use burn_backend::distributed::{DistributedBackend, DistributedParams};
+use burn_backend::distributed::DistributedParams;
 
 struct TapeResult {
     tape: Vec<Vec<StepBoxed>>,
@@ -194,7 +193,7 @@ impl AutodiffServer {
     }
 
     #[cfg(feature = "distributed")]
-    pub fn backward<NC: NodeCleaner, B: DistributedBackend>(
+    pub fn backward<NC: NodeCleaner, B: Backend>(
         &mut self,
         root_node: NodeRef,
         root_tensor: FloatTensor<B>,
@@ -216,7 +215,7 @@ impl AutodiffServer {
     }
 
     #[cfg(feature = "distributed")]
-    fn compute_gradients<B: DistributedBackend>(
+    fn compute_gradients<B: Backend>(
         &mut self,
         root_node: NodeRef,
         root_tensor: FloatTensor<B>,
@@ -229,12 +228,14 @@ impl AutodiffServer {
         let mut sync_registration = None;
         let require_sync = !tape_result.distributed_params.is_empty();
         if require_sync {
+            let hooks = crate::distributed::required_hooks::<B>();
             sync_registration = Some(Box::new(DistributedGradientRegistration::<B>::new(
                 tape_result.n_required_map,
                 tape_result.distributed_params.clone(),
+                hooks,
             ))
                 as Box<dyn DistributedRegistration + Send + Sync>);
-            B::register_sync_parameters(
+            (hooks.register_sync_parameters)(
                 device,
                 tape_result.distributed_params.values().cloned().collect(),
             );
