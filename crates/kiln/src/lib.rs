@@ -45,6 +45,70 @@ pub use parallel::{
     parallelize, parse_size,
 };
 
+/// Runs `ranks` ranks as threads of this process, each on a Rayon pool of its own (the
+/// process's threads divided among them), and returns their results in rank order: the one
+/// way to start thread ranks (`kiln::comm::spawn_ranks` is the bare one, on the global pool).
+pub use kiln_shard::threads::spawn_ranks;
+
+/// Ranks' own copies of one model (see [`copies`]).
+#[derive(Debug)]
+pub struct Copies<M>(Vec<std::sync::Mutex<Option<M>>>);
+
+impl<M> Copies<M> {
+    /// Rank `rank`'s copy.
+    ///
+    /// # Panics
+    /// If it was taken already, or there is no copy for `rank`.
+    pub fn take(&self, rank: usize) -> M {
+        let n = self.0.len();
+        self.0
+            .get(rank)
+            .and_then(|slot| {
+                slot.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take()
+            })
+            .unwrap_or_else(|| {
+                panic!("kiln::copies: no copy left for rank {rank} (there were {n}, one each)")
+            })
+    }
+}
+
+/// `n` copies of `model` for `n` ranks as threads, handed out by rank ([`Copies::take`]).
+/// Each copy's parameters are fresh autodiff leaves (ranks as threads must not share autodiff
+/// tensors: burn-autodiff's graphs are process-wide) holding the same values, their
+/// `require_grad` kept; Burn's lazy parameters are initialised once, here, so that every rank
+/// holds the same values.
+pub fn copies<AB, M>(model: &M, n: usize) -> Copies<M>
+where
+    AB: burn::tensor::backend::AutodiffBackend,
+    M: burn::module::AutodiffModule<AB>,
+{
+    Copies(
+        (0..n)
+            .map(|_| std::sync::Mutex::new(Some(M::from_inner(model.valid()))))
+            .collect(),
+    )
+}
+
+/// The README's and the guide's Rust blocks, compiled and run as doctests (CI's test command
+/// runs them).
+#[cfg(doctest)]
+pub mod guide {
+    #[doc = include_str!("../../../README.md")]
+    pub struct Readme;
+    #[doc = include_str!("../../../docs/library.md")]
+    pub struct Library;
+    #[doc = include_str!("../../../docs/train.md")]
+    pub struct Train;
+    #[doc = include_str!("../../../docs/cluster.md")]
+    pub struct Cluster;
+    #[doc = include_str!("../../../docs/benchmarks.md")]
+    pub struct Benchmarks;
+    #[doc = include_str!("../../../docs/design.md")]
+    pub struct Design;
+}
+
 /// kiln's decorators over the inner backend `B` (for inference and as `Autodiff`'s inner).
 pub type Kiln<B> = kiln_shard::Shard<B>;
 
