@@ -1,16 +1,13 @@
-use std::{f32::consts::FRAC_PI_4, fmt::Display};
+use std::fmt::Display;
 
+// kiln: the synthetic stand-in for burn's `vision::MnistItem` (nothing is downloaded here).
+use crate::synthetic::MnistItem;
 use burn::{
     backend::Flex,
-    data::{
-        dataloader::batcher::Batcher,
-        dataset::{transform::Mapper, vision::MnistItem},
-    },
+    data::{dataloader::batcher::Batcher, dataset::transform::Mapper},
     prelude::*,
     tensor::ops::IntElem,
-    vision::Transform2D,
 };
-use rand::RngExt;
 
 #[derive(Clone, Debug, Default)]
 pub struct MnistBatcher {}
@@ -42,6 +39,19 @@ impl<B: Backend> Batcher<B, MnistItemPrepared, MnistBatch<B>> for MnistBatcher {
         let targets = Tensor::from_data(targets.into_data(), device);
 
         MnistBatch { images, targets }
+    }
+}
+
+// kiln: how a batch splits among data-parallel ranks (each takes its rows).
+impl<B: Backend> kiln::learner::Split for MnistBatch<B> {
+    fn rows(&self) -> usize {
+        self.targets.dims()[0]
+    }
+    fn split(&self, share: &kiln::learner::Share) -> Self {
+        MnistBatch {
+            images: share.rows_of(&self.images),
+            targets: share.rows_of(&self.targets),
+        }
     }
 }
 
@@ -115,50 +125,15 @@ fn prepare_image(transforms: &[Transform], item: MnistItem) -> MnistItemPrepared
     // values mean=0.1307,std=0.3081 were copied from Pytorch Mist Example
     // https://github.com/pytorch/examples/blob/54f4572509891883a947411fd7239237dd2a39c3/mnist/main.py#L122
     let tensor = ((tensor / 255) - 0.1307) / 0.3081;
-    let tensor = if !transforms.is_empty() {
-        mangle_image_batch(transforms, tensor)
-    } else {
-        tensor
-    };
+    // kiln: burn's random augmentations (`burn::vision::Transform2D`, drawn from `rand::rng()`,
+    // so no two runs alike) are not built here; the runs use the plain images only.
+    assert!(
+        transforms.is_empty(),
+        "augmentations are not built in this port (burn's `vision` feature)"
+    );
 
     MnistItemPrepared {
         image: tensor,
         label: item.label,
     }
-}
-
-/// Mange the image by applying small random transformations to augment the dataset.
-///
-/// * `images` - The images with shape [batch size, height, width]
-///
-/// ## Return
-///
-/// The transformed images tensor with shape [batch size, height, width]
-fn mangle_image_batch<B: Backend>(transforms: &[Transform], images: Tensor<B, 3>) -> Tensor<B, 3> {
-    let mut rng = rand::rng();
-
-    let transforms = transforms.iter().map(|transform| match transform {
-        Transform::Translate => {
-            Transform2D::translation(rng.random_range(-0.2..0.2), rng.random_range(-0.2..0.2))
-        }
-        Transform::Shear => Transform2D::shear(
-            rng.random_range(-0.6..0.6),
-            rng.random_range(-0.6..0.6),
-            0.0,
-            0.0,
-        ),
-        Transform::Scale => Transform2D::scale(
-            rng.random_range(0.6..1.5),
-            rng.random_range(0.6..1.5),
-            0.0,
-            0.0,
-        ),
-        Transform::Rotation => {
-            Transform2D::rotation(rng.random_range(-FRAC_PI_4..FRAC_PI_4), 0.0, 0.0)
-        }
-    });
-
-    Transform2D::composed(transforms)
-        .transform(images.unsqueeze_dim::<4>(1))
-        .squeeze_dims::<3>(&[1])
 }

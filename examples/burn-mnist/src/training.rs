@@ -3,6 +3,8 @@ use std::sync::Arc;
 use crate::{
     data::{MnistBatcher, MnistItemPrepared, MnistMapper, Transform},
     model::Model,
+    // kiln: synthetic images in place of burn's download.
+    synthetic::{MnistDataset, MnistItem},
 };
 
 use burn::{
@@ -11,11 +13,11 @@ use burn::{
         dataset::{
             Dataset,
             transform::{ComposedDataset, MapperDataset, PartialDataset, SamplerDataset},
-            vision::{MnistDataset, MnistItem},
         },
     },
     lr_scheduler::{
-        composed::ComposedLrSchedulerConfig, cosine::CosineAnnealingLrSchedulerConfig,
+        composed::{ComposedLrScheduler, ComposedLrSchedulerConfig},
+        cosine::CosineAnnealingLrSchedulerConfig,
         linear::LinearLrSchedulerConfig,
     },
     prelude::*,
@@ -30,9 +32,12 @@ use burn::{
         renderer::MetricsRenderer,
     },
 };
+use burn::{
+    optim::{AdamW, adaptor::OptimizerAdaptor},
+    train::{LearningComponentsMarker, TrainingStrategy},
+};
 use burn::{optim::AdamWConfig, train::SupervisedTraining};
 
-static ARTIFACT_DIR: &str = "/tmp/burn-example-mnist";
 
 #[derive(Config, Debug)]
 pub struct MnistTrainingConfig {
@@ -48,6 +53,17 @@ pub struct MnistTrainingConfig {
     #[config(default = 42)]
     pub seed: u64,
 
+    // kiln: the sizes, so that a test or a demo runs in seconds (upstream: 55,000 training
+    // images, 5,000 validation images, 10,000 sampled per augmentation, 10,000 test images).
+    #[config(default = 55_000)]
+    pub train_items: usize,
+
+    #[config(default = 5_000)]
+    pub valid_items: usize,
+
+    #[config(default = 10_000)]
+    pub test_items: usize,
+
     pub optimizer: AdamWConfig,
 }
 
@@ -57,24 +73,42 @@ fn create_artifact_dir(artifact_dir: &str) {
     std::fs::create_dir_all(artifact_dir).ok();
 }
 
-pub fn run<B: AutodiffBackend>(device: B::Device) {
-    create_artifact_dir(ARTIFACT_DIR);
-    // Config
+/// The Learner's components (kiln: named, so that `run` takes the training strategy).
+pub type Components<B> =
+    LearningComponentsMarker<B, ComposedLrScheduler, Model<B>, OptimizerAdaptor<AdamW, Model<B>, B>>;
+
+/// The example's default configuration (upstream's `run` made it inside).
+pub fn default_config() -> MnistTrainingConfig {
     let config_optimizer = AdamWConfig::new()
         .with_cautious_weight_decay(true)
         .with_weight_decay(5e-5);
+    MnistTrainingConfig::new(config_optimizer)
+}
 
-    let config = MnistTrainingConfig::new(config_optimizer);
+/// kiln: `config`, the artifact directory and the training strategy are parameters (upstream:
+/// the defaults, `/tmp/burn-example-mnist` and one device). Returns the trained model.
+pub fn run<B: AutodiffBackend>(
+    device: B::Device,
+    config: MnistTrainingConfig,
+    artifact_dir: &str,
+    strategy: TrainingStrategy<Components<B>>,
+) -> Model<B::InnerBackend> {
+    #[allow(non_snake_case)]
+    let ARTIFACT_DIR = artifact_dir;
+    create_artifact_dir(ARTIFACT_DIR);
     B::seed(&device, config.seed);
 
     let model = Model::<B>::new(&device);
 
     let dataset_train_original = Arc::new(MnistDataset::train());
-    let dataset_train_plain = PartialDataset::new(dataset_train_original.clone(), 0, 55_000);
-    let dataset_valid_plain = PartialDataset::new(dataset_train_original.clone(), 55_000, 60_000);
+    let (n_train, n_valid) = (config.train_items, config.valid_items);
+    let dataset_train_plain = PartialDataset::new(dataset_train_original.clone(), 0, n_train);
+    let dataset_valid_plain =
+        PartialDataset::new(dataset_train_original.clone(), n_train, n_train + n_valid);
 
-    let ident_trains = generate_idents(Some(10000));
-    let ident_valid = generate_idents(None);
+    // kiln: the plain images only (upstream adds 15 random augmentations of them).
+    let ident_trains = vec![(DatasetIdent::Plain, None)];
+    let ident_valid = vec![(DatasetIdent::Plain, None)];
     let dataset_train = DatasetIdent::compose(ident_trains, dataset_train_plain);
     let dataset_valid = DatasetIdent::compose(ident_valid, dataset_valid_plain);
 
@@ -95,6 +129,7 @@ pub fn run<B: AutodiffBackend>(device: B::Device) {
         .linear(LinearLrSchedulerConfig::new(1e-2, 1e-6, 10000));
 
     let training = SupervisedTraining::new(ARTIFACT_DIR, dataloader_train, dataloader_valid)
+        .with_training_strategy(strategy)
         .metrics((AccuracyMetric::new(), LossMetric::new()))
         .metric_train_numeric(LearningRateMetric::new())
         .with_file_checkpointer(CompactRecorder::new())
@@ -114,16 +149,21 @@ pub fn run<B: AutodiffBackend>(device: B::Device) {
         lr_scheduler.init().unwrap(),
     ));
 
-    let dataset_test_plain = Arc::new(MnistDataset::test());
+    let dataset_test_plain = Arc::new(PartialDataset::new(
+        Arc::new(MnistDataset::test()),
+        0,
+        config.test_items,
+    ));
     let mut renderer = result.renderer;
 
-    let idents_tests = generate_idents(None);
+    let idents_tests = vec![(DatasetIdent::Plain, None::<usize>)];
 
     for (ident, _) in idents_tests {
         let name = ident.to_string();
         renderer = evaluate::<B::InnerBackend>(
             name.as_str(),
             ident,
+            ARTIFACT_DIR,
             result.model.clone(),
             renderer,
             dataset_test_plain.clone(),
@@ -144,11 +184,14 @@ pub fn run<B: AutodiffBackend>(device: B::Device) {
         .unwrap();
 
     renderer.manual_close();
+    result.model
 }
 
+#[allow(non_snake_case)]
 fn evaluate<B: Backend>(
     name: &str,
     ident: DatasetIdent,
+    ARTIFACT_DIR: &str,
     model: Model<B>,
     renderer: Box<dyn MetricsRenderer>,
     dataset: impl Dataset<MnistItem> + 'static,
@@ -237,6 +280,7 @@ impl DatasetIdent {
     }
 }
 
+#[allow(dead_code)]
 fn generate_idents(num_samples_base: Option<usize>) -> Vec<(DatasetIdent, Option<usize>)> {
     let mut current = Vec::new();
     let mut idents = Vec::new();

@@ -6,22 +6,24 @@
 // then saved to the specified directory.
 
 use crate::{
-    data::{BertCasedTokenizer, TextClassificationBatcher, TextClassificationDataset, Tokenizer},
-    model::TextClassificationModelConfig,
+    data::{TextClassificationBatcher, TextClassificationDataset, Tokenizer, WordTokenizer},
+    model::{TextClassificationModel, TextClassificationModelConfig},
 };
 
-use burn::train::{ExecutionStrategy, Learner, SupervisedTraining};
+use burn::train::{Learner, LearningComponentsMarker, SupervisedTraining, TrainingStrategy};
 use burn::{
-    data::{dataloader::DataLoaderBuilder, dataset::transform::SamplerDataset},
-    lr_scheduler::noam::NoamLrSchedulerConfig,
+    data::{
+        dataloader::DataLoaderBuilder,
+        dataset::transform::{SamplerDataset, SamplerDatasetOptions},
+    },
+    lr_scheduler::noam::{NoamLrScheduler, NoamLrSchedulerConfig},
+    optim::{Adam, adaptor::OptimizerAdaptor},
     nn::{attention::SeqLengthOption, transformer::TransformerEncoderConfig},
     optim::AdamConfig,
     prelude::*,
     record::{CompactRecorder, Recorder},
     tensor::backend::AutodiffBackend,
-    train::metric::{
-        AccuracyMetric, CudaMetric, IterationSpeedMetric, LearningRateMetric, LossMetric,
-    },
+    train::metric::{AccuracyMetric, IterationSpeedMetric, LearningRateMetric, LossMetric},
 };
 use std::sync::Arc;
 
@@ -36,7 +38,23 @@ pub struct ExperimentConfig {
     pub batch_size: usize,
     #[config(default = 5)]
     pub num_epochs: usize,
+    // kiln: the sampled sizes and the sampler's seed (upstream: 50,000 and 5,000 items drawn
+    // from the system's generator, so no two runs, or processes, alike).
+    #[config(default = 50_000)]
+    pub train_items: usize,
+    #[config(default = 5_000)]
+    pub test_items: usize,
+    #[config(default = 42)]
+    pub seed: u64,
 }
+
+/// The Learner's components (kiln: named, so that `train` takes the training strategy).
+pub type Components<B> = LearningComponentsMarker<
+    B,
+    NoamLrScheduler,
+    TextClassificationModel<B>,
+    OptimizerAdaptor<Adam, TextClassificationModel<B>, B>,
+>;
 
 fn create_artifact_dir(artifact_dir: &str) {
     // Remove existing artifacts before to get an accurate learner summary
@@ -46,16 +64,16 @@ fn create_artifact_dir(artifact_dir: &str) {
 
 // Define train function
 pub fn train<B: AutodiffBackend, D: TextClassificationDataset + 'static>(
-    strategy: ExecutionStrategy<B>,
+    strategy: TrainingStrategy<Components<B>>,
     dataset_train: D,         // Training dataset
     dataset_test: D,          // Testing dataset
     config: ExperimentConfig, // Experiment configuration
     artifact_dir: &str,       // Directory to save model and config files
-) {
+) -> TextClassificationModel<B::InnerBackend> {
     create_artifact_dir(artifact_dir);
 
     // Initialize tokenizer
-    let tokenizer = Arc::new(BertCasedTokenizer::default());
+    let tokenizer = Arc::new(WordTokenizer);
 
     // Initialize batcher
     let batcher = TextClassificationBatcher::new(tokenizer.clone(), config.seq_length);
@@ -67,17 +85,23 @@ pub fn train<B: AutodiffBackend, D: TextClassificationDataset + 'static>(
         tokenizer.vocab_size(),
         config.seq_length,
     )
-    .init::<B>(strategy.main_device());
+    .init::<B>(&Default::default());
 
     // Initialize data loaders for training and testing data
     let dataloader_train = DataLoaderBuilder::new(batcher.clone())
         .batch_size(config.batch_size)
         .num_workers(1)
-        .build(SamplerDataset::new(dataset_train, 50_000));
+        .build(SamplerDataset::new(
+            dataset_train,
+            SamplerDatasetOptions::from(config.train_items).with_seed(config.seed),
+        ));
     let dataloader_test = DataLoaderBuilder::new(batcher)
         .batch_size(config.batch_size)
         .num_workers(1)
-        .build(SamplerDataset::new(dataset_test, 5_000));
+        .build(SamplerDataset::new(
+            dataset_test,
+            SamplerDatasetOptions::from(config.test_items).with_seed(config.seed + 1),
+        ));
 
     // Initialize optimizer
     let optim = config.optimizer.init();
@@ -91,8 +115,7 @@ pub fn train<B: AutodiffBackend, D: TextClassificationDataset + 'static>(
 
     // Initialize learner
     let training = SupervisedTraining::new(artifact_dir, dataloader_train, dataloader_test)
-        .metric_train(CudaMetric::new())
-        .metric_valid(CudaMetric::new())
+        // kiln: no CudaMetric (burn's `metrics` feature, NVML)
         .metric_train(IterationSpeedMetric::new())
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
@@ -100,7 +123,7 @@ pub fn train<B: AutodiffBackend, D: TextClassificationDataset + 'static>(
         .metric_valid_numeric(AccuracyMetric::new())
         .metric_train_numeric(LearningRateMetric::new())
         .with_file_checkpointer(CompactRecorder::new())
-        .with_training_strategy(strategy.into())
+        .with_training_strategy(strategy)
         .num_epochs(config.num_epochs)
         .summary();
 
@@ -111,8 +134,9 @@ pub fn train<B: AutodiffBackend, D: TextClassificationDataset + 'static>(
     config.save(format!("{artifact_dir}/config.json")).unwrap();
     CompactRecorder::new()
         .record(
-            result.model.into_record(),
+            result.model.clone().into_record(),
             format!("{artifact_dir}/model").into(),
         )
         .unwrap();
+    result.model
 }

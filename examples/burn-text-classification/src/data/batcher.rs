@@ -33,6 +33,20 @@ pub struct TextClassificationTrainingBatch<B: Backend> {
     pub mask_pad: Tensor<B, 2, Bool>, // Padding mask for the tokenized text
 }
 
+// kiln: how a batch splits among data-parallel ranks (each takes its rows).
+impl<B: Backend> kiln::learner::Split for TextClassificationTrainingBatch<B> {
+    fn rows(&self) -> usize {
+        self.labels.dims()[0]
+    }
+    fn split(&self, share: &kiln::learner::Share) -> Self {
+        TextClassificationTrainingBatch {
+            tokens: share.rows_of(&self.tokens),
+            labels: share.rows_of(&self.labels),
+            mask_pad: share.rows_of(&self.mask_pad),
+        }
+    }
+}
+
 /// Struct for inference batch in text classification task
 #[derive(Debug, Clone, new)]
 pub struct TextClassificationInferenceBatch<B: Backend> {

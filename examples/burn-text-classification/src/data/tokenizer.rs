@@ -26,43 +26,30 @@ pub trait Tokenizer: Send + Sync {
     }
 }
 
-/// Struct represents a specific tokenizer using the BERT cased tokenization strategy.
-pub struct BertCasedTokenizer {
-    // The underlying tokenizer from the `tokenizers` library.
-    tokenizer: tokenizers::Tokenizer,
-}
+/// kiln: a word-level tokenizer made here (upstream: `BertCasedTokenizer`, the Hugging Face
+/// hub's `bert-base-cased`, downloaded): each word hashed into a vocabulary of 1,024 ids; 0 pads,
+/// 1 starts a text.
+#[derive(Default)]
+pub struct WordTokenizer;
 
-// Default implementation for creating a new BertCasedTokenizer.
-// This uses a pretrained BERT cased tokenizer model.
-impl Default for BertCasedTokenizer {
-    fn default() -> Self {
-        Self {
-            tokenizer: tokenizers::Tokenizer::from_pretrained("bert-base-cased", None).unwrap(),
-        }
-    }
-}
-
-// Implementation of the Tokenizer trait for BertCasedTokenizer.
-impl Tokenizer for BertCasedTokenizer {
-    // Convert a text string into a sequence of tokens using the BERT cased tokenization strategy.
+impl Tokenizer for WordTokenizer {
     fn encode(&self, value: &str) -> Vec<usize> {
-        let tokens = self.tokenizer.encode(value, true).unwrap();
-        tokens.get_ids().iter().map(|t| *t as usize).collect()
+        let words = value.split_whitespace().map(|w| {
+            let h = w.bytes().fold(5381usize, |h, b| h.wrapping_mul(33) ^ b as usize);
+            2 + h % (self.vocab_size() - 2)
+        });
+        std::iter::once(1).chain(words).collect()
     }
 
-    /// Converts a sequence of tokens back into a text string.
     fn decode(&self, tokens: &[usize]) -> String {
-        let tokens = tokens.iter().map(|t| *t as u32).collect::<Vec<u32>>();
-        self.tokenizer.decode(&tokens, false).unwrap()
+        tokens.iter().map(|t| format!("<{t}>")).collect::<Vec<_>>().join(" ")
     }
 
-    /// Gets the size of the BERT cased tokenizer's vocabulary.
     fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
+        1024
     }
 
-    /// Gets the token used for padding sequences to a consistent length.
     fn pad_token(&self) -> usize {
-        self.tokenizer.token_to_id("[PAD]").unwrap() as usize
+        0
     }
 }
