@@ -7,7 +7,8 @@
 //! target/release/kiln launch --nproc-per-node 2 -- target/release/burn-text-classification kiln 2 zero3
 //! ```
 //!
-//! Options: `epochs=N train=N test=N batch=N d_model=N layers=N heads=N seq=N dropout=X dir=PATH`
+//! Options: `epochs=N train=N test=N batch=N d_model=N layers=N heads=N seq=N dropout=X
+//! resume=EPOCH full_precision=BOOL dir=PATH`
 //! (upstream's model: d_model 256, 4 layers, 8 heads, sequences of 256, dropout 0.1).
 
 use burn::backend::{Autodiff, Flex};
@@ -23,7 +24,7 @@ use text_classification::{AgNewsDataset, training::ExperimentConfig};
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: burn-text-classification plain | kiln RANKS STRATEGY, then epochs=N \
-                 train=N test=N batch=N d_model=N layers=N heads=N seq=N dropout=X dir=PATH";
+                 train=N test=N batch=N d_model=N layers=N heads=N seq=N dropout=X resume=EPOCH full_precision=BOOL dir=PATH";
     let (mode, rest) = match args.first().map(String::as_str) {
         Some("plain") => ("plain", &args[1..]),
         Some("kiln") if args.len() >= 3 => ("kiln", &args[3..]),
@@ -48,6 +49,8 @@ fn main() -> anyhow::Result<()> {
             "layers" => layers = n()?,
             "heads" => heads = n()?,
             "dropout" => dropout = v.parse()?,
+            "resume" => config.resume = Some(n()?),
+            "full_precision" => config.full_precision_checkpoints = v.parse()?,
             "dir" => dir = v.to_string(),
             _ => anyhow::bail!("{a:?}: {usage}"),
         }

@@ -21,7 +21,7 @@ use burn::{
     nn::{attention::SeqLengthOption, transformer::TransformerEncoderConfig},
     optim::AdamConfig,
     prelude::*,
-    record::{CompactRecorder, Recorder},
+    record::{CompactRecorder, FullPrecisionSettings, NamedMpkFileRecorder, Recorder},
     tensor::backend::AutodiffBackend,
     train::metric::{AccuracyMetric, IterationSpeedMetric, LearningRateMetric, LossMetric},
 };
@@ -46,6 +46,11 @@ pub struct ExperimentConfig {
     pub test_items: usize,
     #[config(default = 42)]
     pub seed: u64,
+    // kiln: resume from this epoch's checkpoint (`SupervisedTraining::checkpoint`), and write
+    // checkpoints in full precision (upstream: CompactRecorder, half precision).
+    pub resume: Option<usize>,
+    #[config(default = false)]
+    pub full_precision_checkpoints: bool,
 }
 
 /// The Learner's components (kiln: named, so that `train` takes the training strategy).
@@ -122,10 +127,19 @@ pub fn train<B: AutodiffBackend, D: TextClassificationDataset + 'static>(
         .metric_train_numeric(AccuracyMetric::new())
         .metric_valid_numeric(AccuracyMetric::new())
         .metric_train_numeric(LearningRateMetric::new())
-        .with_file_checkpointer(CompactRecorder::new())
         .with_training_strategy(strategy)
         .num_epochs(config.num_epochs)
         .summary();
+
+    let training = if config.full_precision_checkpoints {
+        training.with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+    } else {
+        training.with_file_checkpointer(CompactRecorder::new())
+    };
+    let training = match config.resume {
+        Some(epoch) => training.checkpoint(epoch),
+        None => training,
+    };
 
     // Train the model
     let result = training.launch(Learner::new(model, optim, lr_scheduler));
