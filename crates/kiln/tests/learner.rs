@@ -12,7 +12,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
@@ -146,7 +146,7 @@ where
         .shuffle(11)
         .build(InMemDataset::new(items(23, 0)));
     let valid: Arc<dyn DataLoader<B::InnerBackend, Batch<B::InnerBackend>>> =
-        DataLoaderBuilder::new(Rows)
+        DataLoaderBuilder::<B::InnerBackend, _, _>::new(Rows)
             .batch_size(4)
             .build(InMemDataset::new(items(10, 3)));
     let mut training = SupervisedTraining::new(dir, train, valid)
@@ -162,9 +162,7 @@ where
     }
     let model = Mlp::<B>::new(&device);
     let optim = AdamWConfig::new().with_weight_decay(1e-2).init();
-    training
-        .launch(Learner::new(model, optim, 1e-2))
-        .model
+    training.launch(Learner::new(model, optim, 1e-2)).model
 }
 
 type Components<B> = burn::train::LearningComponentsMarker<
@@ -206,7 +204,10 @@ fn values<B: Backend, M: Module<B>>(m: &M) -> Vec<f32> {
 
 /// The per-batch losses burn-train's file logger wrote for `split` and `epoch`.
 fn logged(dir: &Path, split: &str, epoch: usize) -> Vec<f64> {
-    let file = dir.join(split).join(format!("epoch-{epoch}")).join("Loss.log");
+    let file = dir
+        .join(split)
+        .join(format!("epoch-{epoch}"))
+        .join("Loss.log");
     std::fs::read_to_string(&file)
         .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
         .lines()
@@ -216,7 +217,11 @@ fn logged(dir: &Path, split: &str, epoch: usize) -> Vec<f64> {
 
 fn assert_close(what: &str, a: &[f64], b: &[f64], tol: f64) {
     assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
-    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
     assert!(worst <= tol, "{what}: differ by {worst:e}: {a:?} vs {b:?}");
     println!("{what}: {} values, largest difference {worst:.2e}", a.len());
 }
@@ -356,15 +361,21 @@ fn what_cannot_work_is_refused_by_name() {
         schedule: ScheduleKind::OneFOneB,
         split: Default::default(),
     });
-    let e = KilnStrategy::<Flex>::threads(2, plan).unwrap_err().to_string();
+    let e = KilnStrategy::<Flex>::threads(2, plan)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("pipeline stages"), "{e}");
     let mut plan = ParallelPlan::new(Strategy::Ddp);
     plan.loss_scale = Some(Default::default());
-    let e = KilnStrategy::<Flex>::threads(2, plan).unwrap_err().to_string();
+    let e = KilnStrategy::<Flex>::threads(2, plan)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("loss scaling"), "{e}");
     let mut plan = ParallelPlan::new(Strategy::Ddp);
     plan.remat = kiln::Remat::Budget(1 << 20);
-    let e = KilnStrategy::<Flex>::threads(2, plan).unwrap_err().to_string();
+    let e = KilnStrategy::<Flex>::threads(2, plan)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("remat budget"), "{e}");
     let e = KilnStrategy::<Flex>::threads(3, ParallelPlan::new(Strategy::Hybrid { shard_size: 2 }))
         .unwrap_err()
@@ -397,7 +408,11 @@ fn process_rank() {
     // Every rank returns the whole model; each writes it for the parent to compare.
     let rank = std::env::var("RANK").unwrap();
     let w: Vec<String> = weights(&model).iter().map(f64::to_string).collect();
-    std::fs::write(Path::new(&dir).join(format!("weights-{rank}")), w.join("\n")).unwrap();
+    std::fs::write(
+        Path::new(&dir).join(format!("weights-{rank}")),
+        w.join("\n"),
+    )
+    .unwrap();
 }
 
 #[test]

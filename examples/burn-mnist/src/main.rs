@@ -27,7 +27,9 @@ fn main() -> anyhow::Result<()> {
         _ => anyhow::bail!("{usage}"),
     };
     for a in rest {
-        let (k, v) = a.split_once('=').ok_or_else(|| anyhow::anyhow!("{a:?}: {usage}"))?;
+        let (k, v) = a
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("{a:?}: {usage}"))?;
         let n = || v.parse::<usize>().map_err(|e| anyhow::anyhow!("{a}: {e}"));
         match k {
             "epochs" => config.num_epochs = n()?,

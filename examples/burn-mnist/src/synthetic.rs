@@ -23,12 +23,18 @@ pub struct MnistDataset {
 impl MnistDataset {
     /// The training split's 60,000 images (made on demand).
     pub fn train() -> Self {
-        MnistDataset { len: 60_000, salt: 1 }
+        MnistDataset {
+            len: 60_000,
+            salt: 1,
+        }
     }
 
     /// The test split's 10,000 images.
     pub fn test() -> Self {
-        MnistDataset { len: 10_000, salt: 2 }
+        MnistDataset {
+            len: 10_000,
+            salt: 2,
+        }
     }
 }
 
@@ -52,11 +58,10 @@ impl Dataset<MnistItem> for MnistDataset {
             for (c, px) in row.iter_mut().enumerate() {
                 // A class-specific pattern of bars and rings, and noise.
                 let l = f32::from(label);
-                let ring = (((r as f32 - 14.0).powi(2) + (c as f32 - 14.0).powi(2)).sqrt()
-                    - 3.0
-                    - l)
-                    .abs()
-                    < 1.5;
+                let ring =
+                    (((r as f32 - 14.0).powi(2) + (c as f32 - 14.0).powi(2)).sqrt() - 3.0 - l)
+                        .abs()
+                        < 1.5;
                 let bar = (c + r * (label as usize % 3)) % (label as usize + 3) == 0;
                 let noise = (mix(seed ^ (r * 28 + c) as u64) % 64) as f32;
                 *px = if ring || bar { 255.0 - noise } else { noise };

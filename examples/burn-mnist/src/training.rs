@@ -32,12 +32,11 @@ use burn::{
         renderer::MetricsRenderer,
     },
 };
+use burn::{optim::AdamWConfig, train::SupervisedTraining};
 use burn::{
     optim::{AdamW, adaptor::OptimizerAdaptor},
     train::{LearningComponentsMarker, TrainingStrategy},
 };
-use burn::{optim::AdamWConfig, train::SupervisedTraining};
-
 
 #[derive(Config, Debug)]
 pub struct MnistTrainingConfig {
@@ -74,8 +73,12 @@ fn create_artifact_dir(artifact_dir: &str) {
 }
 
 /// The Learner's components (kiln: named, so that `run` takes the training strategy).
-pub type Components<B> =
-    LearningComponentsMarker<B, ComposedLrScheduler, Model<B>, OptimizerAdaptor<AdamW, Model<B>, B>>;
+pub type Components<B> = LearningComponentsMarker<
+    B,
+    ComposedLrScheduler,
+    Model<B>,
+    OptimizerAdaptor<AdamW, Model<B>, B>,
+>;
 
 /// The example's default configuration (upstream's `run` made it inside).
 pub fn default_config() -> MnistTrainingConfig {

@@ -53,10 +53,16 @@ fn losses(dir: &str, split: &str) -> Vec<f64> {
 
 fn largest(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
-fn kiln(ranks: usize, strategy: Strategy) -> TrainingStrategy<burn_mnist::training::Components<Train<Flex>>> {
+fn kiln(
+    ranks: usize,
+    strategy: Strategy,
+) -> TrainingStrategy<burn_mnist::training::Components<Train<Flex>>> {
     TrainingStrategy::Custom(Arc::new(
         KilnStrategy::<Flex>::threads(ranks, ParallelPlan::new(strategy)).unwrap(),
     ))

@@ -37,7 +37,9 @@ fn main() -> anyhow::Result<()> {
         AdamConfig::new().with_weight_decay(Some(WeightDecayConfig::new(5e-5))),
     );
     for a in rest {
-        let (k, v) = a.split_once('=').ok_or_else(|| anyhow::anyhow!("{a:?}: {usage}"))?;
+        let (k, v) = a
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("{a:?}: {usage}"))?;
         let n = || v.parse::<usize>().map_err(|e| anyhow::anyhow!("{a}: {e}"));
         match k {
             "epochs" => config.num_epochs = n()?,
@@ -62,7 +64,9 @@ fn main() -> anyhow::Result<()> {
     let (train, test) = (AgNewsDataset::train(), AgNewsDataset::test());
     if mode == "plain" {
         let strategy = ExecutionStrategy::SingleDevice(Default::default()).into();
-        text_classification::training::train::<Autodiff<Flex>, _>(strategy, train, test, config, &dir);
+        text_classification::training::train::<Autodiff<Flex>, _>(
+            strategy, train, test, config, &dir,
+        );
     } else {
         let ranks: usize = args[1].parse()?;
         let plan = ParallelPlan::new(args[2].parse()?);

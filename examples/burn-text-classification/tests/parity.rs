@@ -52,7 +52,10 @@ fn weights<B: Backend, M: Module<B>>(m: &M) -> Vec<f64> {
 }
 
 fn losses(dir: &str, split: &str, epoch: usize) -> Vec<f64> {
-    let f = Path::new(dir).join(split).join(format!("epoch-{epoch}")).join("Loss.log");
+    let f = Path::new(dir)
+        .join(split)
+        .join(format!("epoch-{epoch}"))
+        .join("Loss.log");
     std::fs::read_to_string(&f)
         .unwrap_or_else(|e| panic!("{}: {e}", f.display()))
         .lines()
@@ -62,7 +65,11 @@ fn losses(dir: &str, split: &str, epoch: usize) -> Vec<f64> {
 
 fn check(what: &str, a: &[f64], b: &[f64]) {
     assert_eq!(a.len(), b.len(), "{what}");
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
     println!("{what}: {} values, largest difference {d:.2e}", a.len());
     assert!(d <= 1e-5, "{what}: {d}");
 }
@@ -99,7 +106,11 @@ fn text_classification_under_kiln_equals_plain_burn_train() {
             );
         }
     }
-    check("AG News, 1 rank vs plain burn-train, weights", &weights(&one), &weights(&plain));
+    check(
+        "AG News, 1 rank vs plain burn-train, weights",
+        &weights(&one),
+        &weights(&plain),
+    );
     for strategy in [Strategy::Ddp, Strategy::Zero3] {
         let k2 = dir(&format!("{strategy:?}"));
         let two = train::<Train<Flex>, _>(

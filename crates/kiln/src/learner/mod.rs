@@ -149,7 +149,7 @@ pub use state::{LearnerOptim, OptimRecord, StateRecord, optimizer_record};
 
 use crate::{ParallelPlan, Remat};
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::Backend;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningComponentsTypes,
@@ -345,12 +345,8 @@ where
             starting_epoch,
         );
         if lead {
-            let summary = summary_config.and_then(|summary| {
-                summary
-                    .init()
-                    .map(|summary| summary.with_model(model.to_string()))
-                    .ok()
-            });
+            // (burn-train names the model in its summary through a method of its own.)
+            let summary = summary_config.and_then(|summary| summary.init().ok());
             processor.process_train(LearnerEvent::End(summary));
         }
         LearningResult {

@@ -97,7 +97,11 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
         let mine = |item: I| {
             let rows = item.rows();
             // One rank keeps the batch untouched: the numbers of one device, exactly.
-            let part = if world == 1 { item } else { item.split(&share(rows)) };
+            let part = if world == 1 {
+                item
+            } else {
+                item.split(&share(rows))
+            };
             (part, rows)
         };
         match self {
@@ -125,9 +129,10 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
                         world,
                         rows,
                     });
-                    f.send(Some((theirs, progress.clone(), rows))).map_err(|_| {
-                        LearnerError::Disagree(format!("rank {} stopped taking batches", i + 1))
-                    })?;
+                    f.send(Some((theirs, progress.clone(), rows)))
+                        .map_err(|_| {
+                            LearnerError::Disagree(format!("rank {} stopped taking batches", i + 1))
+                        })?;
                 }
                 let (part, rows) = mine(item);
                 Ok(Some((part, progress, share(rows))))
@@ -316,8 +321,13 @@ where
                 let lr = optim.lock().lr_current();
                 let item = out.item.gather(&share, g)?;
                 if let (Some(lead), Some(item)) = (lead.as_mut(), item) {
-                    let item =
-                        TrainingItem::new(item, progress, global.clone(), Some(iteration), Some(lr));
+                    let item = TrainingItem::new(
+                        item,
+                        progress,
+                        global.clone(),
+                        Some(iteration),
+                        Some(lr),
+                    );
                     lead.processor
                         .process_train(LearnerEvent::ProcessedItem(item));
                 }
@@ -328,12 +338,6 @@ where
             if stopped {
                 if !interrupter.should_stop() {
                     interrupter.stop(Some("another rank was interrupted"));
-                }
-                let reason = interrupter
-                    .get_message()
-                    .unwrap_or_else(|| "Reason unknown".into());
-                if rank == 0 {
-                    log::info!("Training interrupted: {reason}");
                 }
                 break;
             }
@@ -358,7 +362,8 @@ where
                 iteration += 1;
                 let out = autocast(config.precision, || InferenceStep::step(&model_valid, item));
                 if let (Some(lead), Some(out)) = (lead.as_mut(), out.gather(&share, g)?) {
-                    let item = TrainingItem::new(out, progress, global.clone(), Some(iteration), None);
+                    let item =
+                        TrainingItem::new(out, progress, global.clone(), Some(iteration), None);
                     lead.processor
                         .process_valid(LearnerEvent::ProcessedItem(item));
                 }

@@ -147,10 +147,7 @@ pub fn gather_rows<B: Backend, const D: usize, K: BasicOps<B>>(
     let dtype = data.dtype;
     // Sizes first (they differ by a row at most), then the values padded to the largest.
     let mut sizes = vec![0i64; world];
-    group.all_gather(
-        BufRef::I64(&[dims[0] as i64]),
-        BufMut::I64(&mut sizes),
-    )?;
+    group.all_gather(BufRef::I64(&[dims[0] as i64]), BufMut::I64(&mut sizes))?;
     let inner: usize = dims[1..].iter().product();
     let most = sizes.iter().copied().max().unwrap_or(0) as usize * inner;
     let rows: usize = sizes.iter().map(|&s| s as usize).sum();
@@ -186,9 +183,10 @@ pub fn gather_rows<B: Backend, const D: usize, K: BasicOps<B>>(
         }
         let values = unpad(&all, most, pieces(inner));
         match dtype {
-            DType::Bool(_) => {
-                TensorData::new(values.into_iter().map(|v| v != 0).collect::<Vec<_>>(), shape)
-            }
+            DType::Bool(_) => TensorData::new(
+                values.into_iter().map(|v| v != 0).collect::<Vec<_>>(),
+                shape,
+            ),
             _ => TensorData::new(values, shape).convert_dtype(dtype),
         }
     };
@@ -231,7 +229,10 @@ pub fn mean_over<B: Backend>(
         .map_err(|e| LearnerError::Data(format!("{e:?}")))?;
     let n = mine.len();
     let weight = share.len() as f64 / share.rows as f64;
-    let mut sum: Vec<f32> = mine.iter().map(|&v| (f64::from(v) * weight) as f32).collect();
+    let mut sum: Vec<f32> = mine
+        .iter()
+        .map(|&v| (f64::from(v) * weight) as f32)
+        .collect();
     group.all_reduce(BufMut::F32(&mut sum), kiln_comm::ReduceOp::Sum)?;
     if group.rank() != 0 {
         return Ok(None);
@@ -249,11 +250,13 @@ impl<B: Backend> Gather for ClassificationOutput<B> {
         let loss = mean_over(self.loss, share, group)?;
         let output = gather_rows(self.output, group)?;
         let targets = gather_rows(self.targets, group)?;
-        Ok(all3(loss, output, targets).map(|(loss, output, targets)| ClassificationOutput {
-            loss,
-            output,
-            targets,
-        }))
+        Ok(
+            all3(loss, output, targets).map(|(loss, output, targets)| ClassificationOutput {
+                loss,
+                output,
+                targets,
+            }),
+        )
     }
 }
 
@@ -277,11 +280,13 @@ impl<B: Backend> Gather for RegressionOutput<B> {
         let loss = mean_over(self.loss, share, group)?;
         let output = gather_rows(self.output, group)?;
         let targets = gather_rows(self.targets, group)?;
-        Ok(all3(loss, output, targets).map(|(loss, output, targets)| RegressionOutput {
-            loss,
-            output,
-            targets,
-        }))
+        Ok(
+            all3(loss, output, targets).map(|(loss, output, targets)| RegressionOutput {
+                loss,
+                output,
+                targets,
+            }),
+        )
     }
 }
 

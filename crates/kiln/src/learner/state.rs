@@ -15,9 +15,11 @@
 //!
 //! [`ShardedOptimizer`]: kiln_shard::ShardedOptimizer
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::record::AdaptorRecord;
-use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer, SimpleOptimizer};
+use burn::optim::{
+    GradientsParams, LearningRate, MultiGradientsParams, Optimizer, SimpleOptimizer,
+};
 use burn::record::{FullPrecisionSettings, Record};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
@@ -41,6 +43,12 @@ pub struct LearnerOptim<LC: LearningComponentsTypes>(pub Arc<Mutex<Learner<LC>>>
 impl<LC: LearningComponentsTypes> Clone for LearnerOptim<LC> {
     fn clone(&self) -> Self {
         LearnerOptim(self.0.clone())
+    }
+}
+
+impl<LC: LearningComponentsTypes> std::fmt::Debug for LearnerOptim<LC> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LearnerOptim")
     }
 }
 
@@ -170,7 +178,7 @@ where
 
 /// An optimizer record kiln can gather whole: Burn's `OptimizerAdaptor`s' (every optimizer a
 /// Burn config's `init()` makes: SGD, Adam, AdamW, AdaGrad, RMSProp, ...).
-pub trait StateRecord<AB: AutodiffBackend>: Record<AB> {
+pub trait StateRecord<AB: AutodiffBackend>: Record<AB> + Sized {
     /// The whole state one device would hold, from this rank's (sharded) state: each
     /// parameter's state gathered in `order` (the model's parameter order, the same on every
     /// rank), so that every rank reaches the same collectives. A collective: every rank calls

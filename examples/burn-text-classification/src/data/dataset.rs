@@ -63,7 +63,9 @@ impl AgNewsDataset {
     /// Constructs the dataset from a split (either "train" or "test")
     pub fn new(split: &str) -> Self {
         // kiln: 2,000 synthetic headlines per split, made from the split's name.
-        let salt = split.bytes().fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+        let salt = split
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
         let dataset = InMemDataset::new((0..2_000).map(|i| synthetic(salt, i)).collect());
         Self { dataset }
     }
@@ -72,10 +74,19 @@ impl AgNewsDataset {
 /// A headline of a class's words and common words, from `(salt, index)` alone.
 fn synthetic(salt: u64, index: u64) -> AgNewsItem {
     const CLASS: [&[&str]; 4] = [
-        &["election", "minister", "treaty", "border", "summit", "parliament"],
+        &[
+            "election",
+            "minister",
+            "treaty",
+            "border",
+            "summit",
+            "parliament",
+        ],
         &["match", "season", "coach", "goal", "league", "champion"],
         &["market", "shares", "profit", "bank", "merger", "prices"],
-        &["software", "chip", "internet", "launch", "device", "network"],
+        &[
+            "software", "chip", "internet", "launch", "device", "network",
+        ],
     ];
     const COMMON: [&str; 8] = ["the", "a", "on", "after", "new", "says", "in", "report"];
     let mut x = salt ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15);

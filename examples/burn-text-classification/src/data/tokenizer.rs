@@ -35,14 +35,20 @@ pub struct WordTokenizer;
 impl Tokenizer for WordTokenizer {
     fn encode(&self, value: &str) -> Vec<usize> {
         let words = value.split_whitespace().map(|w| {
-            let h = w.bytes().fold(5381usize, |h, b| h.wrapping_mul(33) ^ b as usize);
+            let h = w
+                .bytes()
+                .fold(5381usize, |h, b| h.wrapping_mul(33) ^ b as usize);
             2 + h % (self.vocab_size() - 2)
         });
         std::iter::once(1).chain(words).collect()
     }
 
     fn decode(&self, tokens: &[usize]) -> String {
-        tokens.iter().map(|t| format!("<{t}>")).collect::<Vec<_>>().join(" ")
+        tokens
+            .iter()
+            .map(|t| format!("<{t}>"))
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     fn vocab_size(&self) -> usize {
