@@ -176,6 +176,7 @@ pub fn run<B: AutodiffBackend>(
 
     result
         .model
+        .clone()
         .save_file(
             format!("{ARTIFACT_DIR}/model"),
             &NoStdTrainingRecorder::new(),
