@@ -29,9 +29,13 @@ fn mlp<B: Backend>() -> Mlp<B> {
     let mut a = LinearConfig::new(4, 8).init(&device);
     let mut b = LinearConfig::new(8, 2).init(&device);
     a.weight = burn::module::Param::from_tensor(fill([4, 8], 1));
-    a.bias = Some(burn::module::Param::from_tensor(fill([1, 8], 2).reshape([8])));
+    a.bias = Some(burn::module::Param::from_tensor(
+        fill([1, 8], 2).reshape([8]),
+    ));
     b.weight = burn::module::Param::from_tensor(fill([8, 2], 3));
-    b.bias = Some(burn::module::Param::from_tensor(fill([1, 2], 4).reshape([2])));
+    b.bias = Some(burn::module::Param::from_tensor(
+        fill([1, 2], 4).reshape([2]),
+    ));
     Mlp { a, b, act: Relu }
 }
 
@@ -49,7 +53,9 @@ where
     let y = Tensor::<AB, 2>::from_data(TensorData::new(y, [6, 2]), &device);
     let mut losses = Vec::new();
     for _ in 0..5 {
-        let out = model.b.forward(model.act.forward(model.a.forward(x.clone())));
+        let out = model
+            .b
+            .forward(model.act.forward(model.a.forward(x.clone())));
         let loss = (out - y.clone()).powi_scalar(2).mean();
         losses.push(loss.clone().into_scalar().elem::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
