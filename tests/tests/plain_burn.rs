@@ -2,7 +2,7 @@
 //! although kiln turns on Burn's `distributed` feature (kiln's burn-autodiff looks gradient-sync
 //! hooks up at run time instead of requiring them of every backend), and it computes what
 //! kiln's stack computes on one device, bit for bit, for a model without `exp` or `sigmoid`
-//! (kiln's own vectorised kernels for those are within 2 ulp of Flex's).
+//! (kiln computes those two with vectorised kernels of its own, rounded once from f64).
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};

@@ -71,7 +71,7 @@ fn comm_check(args: &CommCheckArgs) -> Result<()> {
     let env = kiln_comm::LaunchEnv::from_env()?;
     let group = kiln_comm::join(&args.backend, &env, kiln_comm::GroupOptions::default())?;
     let start = Instant::now();
-    let report = selftest::run(group.as_ref()).map_err(anyhow::Error::msg)?;
+    let report = selftest::run(group.as_ref())?;
     println!(
         "rank {} of {}: {} collective checks passed on {} in {:.2}s",
         group.rank(),

@@ -420,7 +420,7 @@ mod tests {
         let bare = run(Sends::Rendezvous);
         assert!(
             bare.iter()
-                .any(|r| r.as_ref().is_err_and(|e| e.contains("timed out"))),
+                .any(|r| r.as_ref().is_err_and(|e| e.0.contains("timed out"))),
             "{bare:?}"
         );
     }

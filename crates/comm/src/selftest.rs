@@ -217,11 +217,20 @@ where
     Ok(())
 }
 
+/// A check that failed: the first wrong result or communication error, described.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct CheckFailed(pub String);
+
 /// Runs the whole check on `group`; every rank of the group must call it.
 ///
 /// # Errors
-/// The first wrong result or communication error, as text.
-pub fn run(group: &dyn ProcessGroup) -> Result<Report, String> {
+/// The first wrong result or communication error.
+pub fn run(group: &dyn ProcessGroup) -> Result<Report, CheckFailed> {
+    run_checks(group).map_err(CheckFailed)
+}
+
+fn run_checks(group: &dyn ProcessGroup) -> Result<Report, String> {
     let mut report = Report::default();
     group.barrier().map_err(|e| e.to_string())?;
     check_type::<f32>(group, &mut report)?;

@@ -28,8 +28,13 @@ pub enum TrainError {
     #[error("{0}")]
     Snapshot(String),
     /// The loss stopped being finite.
-    #[error("{0}")]
-    Diverged(String),
+    #[error("the loss is {loss} at step {step}: lower train.lr or raise train.grad_clip")]
+    Diverged {
+        /// The step.
+        step: usize,
+        /// Its (global) loss.
+        loss: f64,
+    },
     /// A file or directory that cannot be read or written (the operating system's error is
     /// the source).
     #[error("{what}")]

@@ -411,10 +411,7 @@ where
         self.done.step_time += step_start.elapsed();
         self.done.wait_time += waited;
         if !loss.is_finite() && !stats.skipped {
-            fail!(
-                Diverged,
-                "the loss is {loss} at step {step}: lower train.lr or raise train.grad_clip"
-            );
+            return Err(TrainError::Diverged { step, loss });
         }
         self.done.losses.push(loss);
         self.record_step(step, lr, loss, waited, &config, &stats)
