@@ -12,6 +12,7 @@
 
 mod launch;
 mod progress;
+mod recovery;
 mod shard_check;
 mod train;
 mod verify_hf;

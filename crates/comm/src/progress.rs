@@ -16,7 +16,7 @@
 //! empty):
 //!
 //! ```text
-//! kiln-heartbeat 1 pid=4242 beat_ms=1718000000123 step=57 messages=9123 waiting_ms=0
+//! kiln-heartbeat 1 pid=4242 beat_ms=1718000000123 step=57 first_step=41 first_step_ms=1718000000001 messages=9123 waiting_ms=0
 //! ```
 
 use std::io::Write;
@@ -31,15 +31,21 @@ pub const HEARTBEAT_FILE: &str = "KILN_HEARTBEAT_FILE";
 /// The variable setting how often the file is rewritten, in milliseconds.
 pub const HEARTBEAT_MS: &str = "KILN_HEARTBEAT_MS";
 /// The width of the file's one line (padded with spaces).
-const LINE: usize = 120;
+const LINE: usize = 160;
 
 static STEP: AtomicU64 = AtomicU64::new(0);
+/// The first step this process completed, and when (a restart's resumed step + 1).
+static FIRST_STEP: AtomicU64 = AtomicU64::new(0);
+static FIRST_STEP_MS: AtomicU64 = AtomicU64::new(0);
 static MESSAGES: AtomicU64 = AtomicU64::new(0);
 /// Threads of this process blocked in a receive, and since when the first of them waits
 /// (milliseconds since the epoch; 0: none).
 static WAITERS: AtomicU64 = AtomicU64::new(0);
 static WAITING_SINCE: AtomicU64 = AtomicU64::new(0);
 static STARTED: OnceLock<Option<PathBuf>> = OnceLock::new();
+/// The heartbeat file, once started: each step is written at once (one `pwrite`, a few
+/// microseconds), so the launcher knows the exact step a rank reached when it died.
+static FILE: OnceLock<std::fs::File> = OnceLock::new();
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -50,7 +56,14 @@ fn now_ms() -> u64 {
 /// Records that this rank completed training step `step` (the launcher's progress signal and
 /// how it counts the steps a restart recomputes). Cheap: one atomic store.
 pub fn step(step: usize) {
+    if FIRST_STEP.load(Ordering::Relaxed) == 0 && step > 0 {
+        FIRST_STEP_MS.store(now_ms(), Ordering::Relaxed);
+        FIRST_STEP.store(step as u64, Ordering::Release);
+    }
     STEP.store(step as u64, Ordering::Relaxed);
+    if let Some(f) = FILE.get() {
+        let _ = f.write_all_at(Beat::now().to_line().as_bytes(), 0);
+    }
 }
 
 /// A message arrived from a peer.
@@ -87,6 +100,10 @@ pub struct Beat {
     pub beat_ms: u64,
     /// The last training step completed (0: none yet, or the program does not report steps).
     pub step: u64,
+    /// The first step this process completed (0: none yet): a resumed run's snapshot step + 1.
+    pub first_step: u64,
+    /// When it completed it (milliseconds since the epoch).
+    pub first_step_ms: u64,
     /// Messages received from peers so far.
     pub messages: u64,
     /// Since when the process waits on a peer (milliseconds since the epoch; 0: not waiting).
@@ -100,6 +117,8 @@ impl Beat {
             pid: std::process::id(),
             beat_ms: now_ms(),
             step: STEP.load(Ordering::Relaxed),
+            first_step: FIRST_STEP.load(Ordering::Acquire),
+            first_step_ms: FIRST_STEP_MS.load(Ordering::Relaxed),
             messages: MESSAGES.load(Ordering::Relaxed),
             waiting_ms: WAITING_SINCE.load(Ordering::Acquire),
         }
@@ -108,8 +127,15 @@ impl Beat {
     /// The file's line.
     pub fn to_line(&self) -> String {
         let mut s = format!(
-            "kiln-heartbeat 1 pid={} beat_ms={} step={} messages={} waiting_ms={}",
-            self.pid, self.beat_ms, self.step, self.messages, self.waiting_ms
+            "kiln-heartbeat 1 pid={} beat_ms={} step={} first_step={} first_step_ms={} \
+             messages={} waiting_ms={}",
+            self.pid,
+            self.beat_ms,
+            self.step,
+            self.first_step,
+            self.first_step_ms,
+            self.messages,
+            self.waiting_ms
         );
         while s.len() < LINE - 1 {
             s.push(' ');
@@ -137,6 +163,8 @@ impl Beat {
             pid: u32::try_from(field("pid")?).ok()?,
             beat_ms: field("beat_ms")?,
             step: field("step")?,
+            first_step: field("first_step")?,
+            first_step_ms: field("first_step_ms")?,
             messages: field("messages")?,
             waiting_ms: field("waiting_ms")?,
         })
@@ -179,6 +207,9 @@ pub fn start_from_env() -> Option<&'static Path> {
                 }
             };
             let _ = (&file).write_all(Beat::now().to_line().as_bytes());
+            if let Ok(f) = file.try_clone() {
+                let _ = FILE.set(f);
+            }
             std::thread::Builder::new()
                 .name("kiln-heartbeat".into())
                 .spawn(move || {
@@ -209,6 +240,8 @@ mod tests {
             pid: 7,
             beat_ms: 1_700_000_000_000,
             step: 12,
+            first_step: 3,
+            first_step_ms: 1_700_000_000_001,
             messages: 345,
             waiting_ms: 0,
         };
