@@ -169,9 +169,11 @@ fn sync_dir(dir: &Path) {
 }
 
 /// For tests of crash safety: `KILN_TEST_ABORT_IN_SNAPSHOT=STEP` makes rank 0 abort the
-/// process after writing half of its file of that step's snapshot.
+/// process after writing half of its file of that step's snapshot, in the job's first start
+/// only (not in a restart by `kiln launch --max-restarts`, `KILN_RESTART_COUNT` > 0).
 fn abort_requested(step: usize, rank: usize) -> bool {
     rank == 0
+        && std::env::var("KILN_RESTART_COUNT").map_or(true, |n| n.trim() == "0")
         && std::env::var("KILN_TEST_ABORT_IN_SNAPSHOT")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
