@@ -182,8 +182,11 @@ fn abort_requested(step: usize, rank: usize) -> bool {
 
 static ASYNCHRONOUS: AtomicBool = AtomicBool::new(false);
 
-/// Writes still under way, by (snapshot root, rank): each a thread of the rank.
-static PENDING: Mutex<Vec<(PathBuf, usize, JoinHandle<Result<()>>)>> = Mutex::new(Vec::new());
+/// A write under way: the snapshot root, the rank, the thread writing.
+type Pending = (PathBuf, usize, JoinHandle<Result<()>>);
+
+/// Writes still under way.
+static PENDING: Mutex<Vec<Pending>> = Mutex::new(Vec::new());
 
 /// Makes [`save`] return before its files are written (see the module doc); off by default,
 /// since the caller must then [`flush`] before it relies on the snapshot or exits.
