@@ -55,7 +55,9 @@ rank_pids() { # LAUNCHER_PID...: the ranks (the launchers' children)
 }
 
 recovered() { # LOG: how many restarts have trained again
-    grep -c "recovered: resumed" "$1" 2>/dev/null || true
+    local n
+    n=$(grep -ac "recovered: resumed" "$1" 2>/dev/null)
+    [[ $n =~ ^[0-9]+$ ]] && echo "$n" || echo 0
 }
 
 # Waits until LOG shows N recoveries (or the launcher ended); 1 if it takes over $LIMIT s.
@@ -186,7 +188,7 @@ if [[ " $JOBS " == *" one "* ]]; then
         --max-restarts $((HALF + 20)) --hang-timeout $HANG --restart-backoff 0.2 \
         --summary "$ONE/summary.json" -- "$KILN" $(train_args "$ONE/run") >"$ONE/run.log" 2>&1 &
     LAUNCHER=$!
-    read -r hangs caught < <(inject "$HALF" "kill snapshot stop" "$ONE/run.log" "$ONE/run/snapshots" "$ONE/kinds" "$LAUNCHER" | tee /dev/stderr | tail -1)
+    read -r hangs caught < <(inject "$HALF" "kill snapshot stop" "$ONE/run.log" "$ONE/run/snapshots" "$ONE/kinds" "$LAUNCHER" | tee -a /dev/stderr | tail -1)
     wait "$LAUNCHER"
     report "one node, 4 processes" "$ONE/summary.json" "$ONE/run" "$ONE/reference" "$ONE/kinds" "$hangs" "$caught" || status=1
 fi
@@ -225,7 +227,7 @@ if [[ " $JOBS " == *" two "* ]]; then
         # The launchers' own pids (under a subshell and `ip netns exec`).
         launcher_of() { pgrep -n -f -- "--node-rank $1 --nproc-per-node 2 --master-addr 10.203.9.1 --master-port 29650 --max-restarts"; }
         for _ in $(seq 100); do launcher_of 0 >/dev/null && launcher_of 1 >/dev/null && break; sleep 0.1; done
-        read -r hangs caught < <(inject $((FAILURES - HALF)) "kill snapshot stop link" "$TWO/run-0.log" "$TWO/run/snapshots" "$TWO/kinds" "$(launcher_of 0)" "$(launcher_of 1)" | tee /dev/stderr | tail -1)
+        read -r hangs caught < <(inject $((FAILURES - HALF)) "kill snapshot stop link" "$TWO/run-0.log" "$TWO/run/snapshots" "$TWO/kinds" "$(launcher_of 0)" "$(launcher_of 1)" | tee -a /dev/stderr | tail -1)
         wait $L0
         wait $L1
         report "two nodes" "$TWO/summary.json" "$TWO/run" "$TWO/reference" "$TWO/kinds" "$hangs" "$caught" || status=1
