@@ -73,16 +73,16 @@ fn summary(path: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-/// Asserts every restart of `s` recovered, recomputing at most a snapshot interval (`every`)
-/// and the steps taken while the last snapshot was still being written (asynchronously: a
-/// failure then leaves the one before as `latest`; here at most 3); returns how many restarts
-/// were hangs.
+/// Asserts every restart of `s` recovered, recomputing at most two snapshot intervals: one,
+/// unless the failure came while a snapshot was still being written (asynchronously: the one
+/// before is then `latest`; a rank's next save waits for its previous write, so never more);
+/// returns how many restarts were hangs.
 fn check_restarts(s: &serde_json::Value, restarts: usize, every: u64) -> usize {
     let list = s["restarts"].as_array().unwrap();
     assert_eq!(list.len(), restarts, "{s:#}");
     for r in list {
         let recomputed = r["recomputed"].as_u64().expect("steps recomputed known");
-        assert!(recomputed <= every + 3, "{recomputed} steps recomputed: {s:#}");
+        assert!(recomputed <= 2 * every, "{recomputed} steps recomputed: {s:#}");
         assert!(r["recover_s"].as_f64().is_some(), "{s:#}");
     }
     list.iter().filter(|r| r["hang"] == true).count()
