@@ -363,6 +363,13 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
             bail!("{flag} must be a number of seconds, at least 0 (got {v})");
         }
     }
+    if args.hang_timeout > 0.0 && args.hang_timeout < 1.0 {
+        // Heartbeats come every 200 ms; a process is taken as stopped after 1 s without one.
+        bail!(
+            "--hang-timeout must be 0 (off) or at least 1 second (got {})",
+            args.hang_timeout
+        );
+    }
     let restarts = args.max_restarts > 0 || args.nnodes.elastic();
     if args.master_port == 0 && args.nnodes.max > 1 {
         bail!(

@@ -857,4 +857,66 @@ mod tests {
         assert_eq!(percentile(&v, 95.0), Some(4.0));
         assert_eq!(percentile(&[], 50.0), None);
     }
+
+    /// Heartbeats of two ranks (pids that no process has): rank 0 waits on a peer, rank 1
+    /// does not (or has a heartbeat that stopped); neither makes progress.
+    fn beats(dir: &std::path::Path, beat_ms: u64, stalled_1: bool) {
+        // A stalled rank 1 also waits: only its stopped heartbeat can name it.
+        for (rank, waiting_ms) in [(0, 5), (1, u64::from(stalled_1) * 5)] {
+            let b = Beat {
+                pid: 4_000_000 + rank,
+                beat_ms: if rank == 1 && stalled_1 { 1 } else { beat_ms },
+                step: 7,
+                first_step: 1,
+                first_step_ms: 1,
+                messages: 100,
+                waiting_ms,
+            };
+            std::fs::write(dir.join(format!("rank-{rank}")), b.to_line()).unwrap();
+        }
+    }
+
+    fn watch_until_stop(w: &mut HangWatch, dir: &std::path::Path, stalled_1: bool) -> Verdict {
+        let ranks = [0, 1].map(|r| Running {
+            rank: r,
+            pid: 4_000_000 + r as u32,
+        });
+        for i in 0..100 {
+            beats(dir, 2 + i, stalled_1);
+            if let v @ Verdict::Stop { .. } = w.check(&ranks) {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        Verdict::Continue
+    }
+
+    #[test]
+    fn a_hang_names_the_rank_that_does_not_wait_or_that_stopped_running() {
+        let dir = tempfile::tempdir().unwrap();
+        // Both heartbeats alive: the rank not waiting while its peer waits is named.
+        let mut w = HangWatch::new(1.0, Some(dir.path().to_path_buf()), true);
+        match watch_until_stop(&mut w, dir.path(), false) {
+            Verdict::Stop { why, hung, hang } => {
+                assert_eq!(hung, Some(1), "{why}");
+                assert!(hang && why.contains("not waiting on a peer"), "{why}");
+            }
+            Verdict::Continue => panic!("no hang named"),
+        }
+        // Rank 1's heartbeat stops (its process stopped): named as such.
+        let mut w = HangWatch::new(1.5, Some(dir.path().to_path_buf()), true);
+        match watch_until_stop(&mut w, dir.path(), true) {
+            Verdict::Stop { why, hung, .. } => {
+                assert_eq!(hung, Some(1), "{why}");
+                assert!(why.contains("its heartbeat stopped"), "{why}");
+            }
+            Verdict::Continue => panic!("no hang named"),
+        }
+        // Off: never a verdict.
+        let mut w = HangWatch::new(0.0, Some(dir.path().to_path_buf()), true);
+        assert!(matches!(
+            watch_until_stop(&mut w, dir.path(), true),
+            Verdict::Continue
+        ));
+    }
 }

@@ -82,7 +82,10 @@ fn check_restarts(s: &serde_json::Value, restarts: usize, every: u64) -> usize {
     assert_eq!(list.len(), restarts, "{s:#}");
     for r in list {
         let recomputed = r["recomputed"].as_u64().expect("steps recomputed known");
-        assert!(recomputed <= 2 * every, "{recomputed} steps recomputed: {s:#}");
+        assert!(
+            recomputed <= 2 * every,
+            "{recomputed} steps recomputed: {s:#}"
+        );
         assert!(r["recover_s"].as_f64().is_some(), "{s:#}");
     }
     list.iter().filter(|r| r["hang"] == true).count()
