@@ -433,7 +433,7 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
         if let Some(dir) = &heartbeats {
             let _ = std::fs::remove_dir_all(dir);
         }
-        match ended? {
+        match ended?.0 {
             Ended::Done => Ok(0),
             Ended::Failed { code, .. } => Ok(code),
             Ended::Signal(sig) => Ok(128 + sig),
@@ -456,14 +456,15 @@ pub(crate) fn heartbeat_dir(round: usize) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Starts this node's ranks for `round`, watches them and returns how the round ended; every
-/// rank has exited when it returns.
+/// Starts this node's ranks for `round`, watches them and returns how the round ended and
+/// when that was seen (milliseconds since the epoch: a failure's detection, before the other
+/// ranks are stopped); every rank has exited when it returns.
 pub(crate) fn run_round(
     args: &LaunchArgs,
     prog: &Program,
     round: &Round<'_>,
     watch: &mut dyn FnMut(&[Running]) -> Verdict,
-) -> Result<Ended> {
+) -> Result<(Ended, u64)> {
     let lock = Arc::new(Mutex::new(()));
     let mut ranks = Vec::with_capacity(args.nproc_per_node);
     let mut pumps = Vec::new();
@@ -532,7 +533,14 @@ pub(crate) fn run_round(
     }
 
     let mut last_watch = Instant::now();
+    let seen_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    };
+    let mut at_ms;
     let ended = loop {
+        at_ms = seen_ms();
         let sig = SIGNAL.swap(0, Ordering::SeqCst);
         if sig != 0 {
             eprintln!("[kiln launch] received signal {sig}; stopping the ranks");
@@ -591,7 +599,7 @@ pub(crate) fn run_round(
     for p in pumps {
         let _ = p.join();
     }
-    Ok(ended)
+    Ok((ended, at_ms))
 }
 
 /// SIGTERM to every running rank's process group, SIGKILL after `grace` seconds.

@@ -27,13 +27,7 @@ use kiln_comm::progress::Beat;
 use kiln_comm::store::{StoreClient, StoreServer};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+use std::time::{Duration, Instant};
 
 /// What the launcher last saw of one rank's heartbeat.
 #[derive(Debug)]
@@ -619,7 +613,7 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             .last()
             .cloned()
             .filter(|r| r.recover_s.is_none());
-        let ended = run_round(args, prog, &r, &mut |ranks| {
+        let (ended, failed_ms) = run_round(args, prog, &r, &mut |ranks| {
             let verdict = watch.check(ranks);
             if !announced && let (Some(p), Some((first, at_ms))) = (&pending, watch.first_step()) {
                 announced = true;
@@ -649,7 +643,6 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             }
             Verdict::Continue
         })?;
-        let failed_ms = now_ms();
         watch.read_last();
         let _ = std::fs::remove_dir_all(&dir);
         // What this round achieved: its resumed step and first step close the last restart.
