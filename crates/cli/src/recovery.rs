@@ -606,6 +606,7 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             heartbeats: Some(&dir),
         };
         let mut announced = false;
+        let round_start = Instant::now();
         let mut last_poll = Instant::now();
         let failed_key = format!("round/{round}/failed");
         let pending = record
@@ -655,8 +656,10 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             last.recover_s = Some(at_ms.saturating_sub(last.failed_ms) as f64 / 1000.0);
         }
         let step = watch.step();
-        let progressed = step > 0;
-        if progressed {
+        // A step, or (for a program that reports none, or a node without rank 0) a round
+        // that ran a minute: not a failure at start.
+        let progressed = step > 0 || round_start.elapsed() >= Duration::from_secs(60);
+        if step > 0 {
             high = Some(high.map_or(step, |h| h.max(step)));
         }
         let (why, code, hang) = match ended {
@@ -722,19 +725,24 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             let _ = agent.set("job/end", &end, Duration::from_secs(2));
             break code;
         }
-        // Doubled for each round in a row that made no step: a failure at start (a bad
-        // node, a port in use) is not retried in a tight loop.
-        let backoff = (args.restart_backoff * 2f64.powi(fruitless.min(10) as i32 - 1)).min(60.0);
-        let backoff = if fruitless == 0 {
-            args.restart_backoff.min(60.0)
+        // Node 0 waits before it starts the next round, doubling the wait for each round in
+        // a row that made no progress (a failure at start, a bad node or a port in use, is
+        // not retried in a tight loop); the other nodes wait for its plan.
+        let backoff = if args.node_rank == 0 {
+            (args.restart_backoff * 2f64.powi(fruitless.clamp(1, 10) as i32 - 1)).min(60.0)
         } else {
-            backoff.max(args.restart_backoff.min(60.0))
+            0.0
         };
         eprintln!(
-            "[kiln launch] round {round} failed ({why}) at step {}; restart {} of {} in {backoff:.1}s",
-            high.map_or("(none reported)".into(), |h| h.to_string()),
+            "[kiln launch] round {round} failed ({why}) at step {}; restart {} of {} {}",
+            high.map_or("(none reported here)".into(), |h| h.to_string()),
             record.restarts.len(),
-            args.max_restarts
+            args.max_restarts,
+            if args.node_rank == 0 {
+                format!("in {backoff:.1}s")
+            } else {
+                "when node 0's launcher starts it".to_string()
+            }
         );
         let until = Instant::now() + Duration::from_secs_f64(backoff);
         while Instant::now() < until {
