@@ -19,7 +19,8 @@
 //!
 //! Asynchronous writing ([`set_asynchronous`], which `kiln train` turns on; PyTorch DCP's
 //! `async_save`): [`save`] takes the pieces (already copied to host memory by the caller), makes
-//! the partial directory ready (one barrier) and returns; a thread of the rank serialises,
+//! the partial directory (a barrier only at a run's first save, where rank 0 clears what a
+//! crashed run left) and returns; a thread of the rank serialises,
 //! writes and syncs its file, and rank 0's thread then waits for every rank's index file
 //! (written last, atomically) instead of a barrier, and completes the snapshot as above. No
 //! collective runs off the training thread. [`flush`] waits for the writes (and reports their
@@ -188,6 +189,34 @@ type Pending = (PathBuf, usize, JoinHandle<Result<()>>);
 /// Writes still under way.
 static PENDING: Mutex<Vec<Pending>> = Mutex::new(Vec::new());
 
+/// The (root, rank) pairs that saved asynchronously in this process.
+static SAVED: Mutex<Vec<(PathBuf, usize)>> = Mutex::new(Vec::new());
+
+/// Whether this is `rank`'s first asynchronous save under `root` in this process.
+fn first_save(root: &Path, rank: usize) -> bool {
+    let mut saved = SAVED.lock().unwrap_or_else(PoisonError::into_inner);
+    let first = !saved.iter().any(|(r, k)| r == root && *k == rank);
+    if first {
+        saved.push((root.to_path_buf(), rank));
+    }
+    first
+}
+
+/// The partial directories (`.step-*.partial`) under `root`.
+fn partial_dirs(root: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with(".step-") && n.ends_with(".partial"))
+        })
+        .map(|e| e.path())
+        .collect()
+}
+
 /// Makes [`save`] return before its files are written (see the module doc); off by default,
 /// since the caller must then [`flush`] before it relies on the snapshot or exits.
 pub fn set_asynchronous(on: bool) {
@@ -264,14 +293,28 @@ fn save_as(
     let name = step_dir(meta.step);
     let partial = root.join(format!(".{name}.partial"));
     let done = root.join(&name);
-    if rank == 0 {
-        if partial.exists() {
-            std::fs::remove_dir_all(&partial)
-                .io(|| format!("cannot remove {}", partial.display()))?;
+    // A partial directory left by an earlier, crashed attempt must go before any rank writes
+    // into this one: synchronously, rank 0 removes it while the others wait. Asynchronously,
+    // rank 0 removes every stale partial directory at this rank's first save under `root`
+    // (all ranks' first saves are of the same step, so they all wait there); the partial
+    // directories of later saves are this run's own, and each rank makes it without waiting.
+    let first = !asynchronous || first_save(root, rank);
+    if rank == 0 && first {
+        let stale: Vec<PathBuf> = if asynchronous {
+            partial_dirs(root)
+        } else {
+            vec![partial.clone()]
+        };
+        for dir in stale.iter().filter(|d| d.exists()) {
+            std::fs::remove_dir_all(dir).io(|| format!("cannot remove {}", dir.display()))?;
         }
+    }
+    if rank == 0 || !first {
         std::fs::create_dir_all(&partial).io(|| format!("cannot create {}", partial.display()))?;
     }
-    group.barrier()?;
+    if first {
+        group.barrier()?;
+    }
     let job = SnapshotWrite {
         root: root.to_path_buf(),
         meta: meta.clone(),
