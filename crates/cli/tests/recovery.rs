@@ -377,7 +377,7 @@ fn a_link_down_and_up_again_restarts_both_nodes_and_the_job_ends_as_if_uninterru
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let (steps, every) = (800, 10);
+    let (steps, every) = (400, 10);
     let reference = tmp.path().join("reference");
     let refdir = tmp.path().join("ref-summaries");
     std::fs::create_dir_all(&refdir).unwrap();
@@ -435,7 +435,7 @@ fn a_node_lost_for_good_leaves_an_elastic_job_to_finish_on_the_other() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let (steps, every) = (800, 10);
+    let (steps, every) = (400, 10);
     // The uninterrupted job: four ranks (threads) on one machine, as two nodes of two.
     let reference: PathBuf = tmp.path().join("reference");
     let mut one = Command::new(KILN);
