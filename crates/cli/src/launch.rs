@@ -424,7 +424,7 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
             restart: None,
             heartbeats: heartbeats.as_deref(),
         };
-        let mut hangs = crate::recovery::HangWatch::new(
+        let mut hangs = crate::hang::HangWatch::new(
             args.hang_timeout,
             heartbeats.clone(),
             args.nnodes.max == 1,
