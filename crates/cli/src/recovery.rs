@@ -27,6 +27,20 @@ use crate::rounds::{Agent, Next, finish, first_round, join_round, linger, signal
 use anyhow::{Context, Result};
 use std::time::{Duration, Instant};
 
+/// How a round's failure is recorded in the launchers' rendezvous: whether it was a hang,
+/// then what happened.
+fn failure_mark(why: &str, hang: bool) -> String {
+    format!("{}\t{why}", if hang { "hang" } else { "fail" })
+}
+
+/// [`failure_mark`] read back: what happened, and whether it was a hang.
+fn failure_of(mark: &str) -> (String, bool) {
+    match mark.split_once('\t') {
+        Some((kind, why)) => (why.to_string(), kind == "hang"),
+        None => (mark.to_string(), false),
+    }
+}
+
 /// A failure and what recovering from it cost.
 #[derive(Debug, Clone, serde::Serialize)]
 struct Restart {
@@ -179,11 +193,12 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             // Another node's failure, seen through the rendezvous (5 times a second).
             if last_poll.elapsed() >= Duration::from_millis(200) {
                 last_poll = Instant::now();
-                if let Ok(Some(why)) = agent.get_now(&failed_key, Duration::ZERO) {
+                if let Ok(Some(mark)) = agent.get_now(&failed_key, Duration::ZERO) {
+                    let (why, hang) = failure_of(&mark);
                     return Verdict::Stop {
                         why,
                         hung: None,
-                        hang: false,
+                        hang,
                     };
                 }
             }
@@ -217,24 +232,28 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
                 match finish(&mut agent, args, &plan, round)? {
                     None => break 0,
                     // Another node failed at the end: this round failed after all.
-                    Some(why) => (why, 1, false),
+                    Some(mark) => {
+                        let (why, hang) = failure_of(&mark);
+                        (why, 1, hang)
+                    }
                 }
             }
             Ended::Failed { code, why, hang } => {
                 let why = format!("node {}: {why}", args.node_rank);
                 if !agent.check(&failed_key, patience).unwrap_or(true) {
-                    let _ = agent.set(&failed_key, &why, patience);
+                    let _ = agent.set(&failed_key, &failure_mark(&why, hang), patience);
                 }
                 (why, code, hang)
             }
+            // Another node's failure (its text names the node), or this node's whole job hung.
             Ended::Stopped { why, hang } => {
-                let why = if hang {
-                    format!("node {}: {why}", args.node_rank)
-                } else {
+                let why = if why.starts_with("node ") {
                     why
+                } else {
+                    format!("node {}: {why}", args.node_rank)
                 };
                 if !agent.check(&failed_key, patience).unwrap_or(true) {
-                    let _ = agent.set(&failed_key, &why, patience);
+                    let _ = agent.set(&failed_key, &failure_mark(&why, hang), patience);
                 }
                 (why, 1, hang)
             }
@@ -330,6 +349,14 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failure_mark_keeps_whether_it_was_a_hang() {
+        let why = "node 1: rank 3 (pid 9) hangs: it is stopped";
+        assert_eq!(failure_of(&failure_mark(why, true)), (why.to_string(), true));
+        assert_eq!(failure_of(&failure_mark("x\ty", false)), ("x\ty".into(), false));
+        assert_eq!(failure_of("older text"), ("older text".into(), false));
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {

@@ -51,6 +51,9 @@ impl Transport for TcpTransport {
         let mut conn = conn
             .lock()
             .map_err(|_| "connection lock poisoned".to_string())?;
+        // A write blocks when the peer stops reading (a peer that hangs): this rank then
+        // waits on it, as in a receive (crate::progress).
+        let _waiting = crate::progress::waiting();
         write_frame(&mut conn, &header.encode(), payload)
             .map_err(|e| format!("sending to rank {dst} failed: {e}"))
     }
