@@ -313,7 +313,17 @@ pub(crate) struct Running {
     pub pid: u32,
 }
 
-/// What the round's watcher (called about every 100 ms) wants.
+/// What the round's watcher is told.
+#[derive(Debug)]
+pub(crate) enum Event<'a> {
+    /// About every 100 ms: the ranks still running.
+    Tick(&'a [Running]),
+    /// A rank of this node failed (or hangs: `hang`), said before the others are stopped, so
+    /// that the other nodes learn the cause before they see its consequences.
+    Failing { why: &'a str, hang: bool },
+}
+
+/// What the round's watcher wants.
 #[derive(Debug)]
 pub(crate) enum Verdict {
     Continue,
@@ -429,7 +439,10 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
             heartbeats.clone(),
             args.nnodes.max == 1,
         );
-        let ended = run_round(args, &prog, &round, &mut |ranks| hangs.check(ranks));
+        let ended = run_round(args, &prog, &round, &mut |event| match event {
+            Event::Tick(ranks) => hangs.check(ranks),
+            Event::Failing { .. } => Verdict::Continue,
+        });
         if let Some(dir) = &heartbeats {
             let _ = std::fs::remove_dir_all(dir);
         }
@@ -463,7 +476,7 @@ pub(crate) fn run_round(
     args: &LaunchArgs,
     prog: &Program,
     round: &Round<'_>,
-    watch: &mut dyn FnMut(&[Running]) -> Verdict,
+    watch: &mut dyn FnMut(Event<'_>) -> Verdict,
 ) -> Result<(Ended, u64)> {
     let lock = Arc::new(Mutex::new(()));
     let mut ranks = Vec::with_capacity(args.nproc_per_node);
@@ -560,6 +573,10 @@ pub(crate) fn run_round(
             let running = ranks.iter().filter(|r| r.status.is_none()).count();
             let why = format!("rank {rank} {}", describe(status));
             eprintln!("[kiln launch] {why}; stopping the {running} other running rank(s)");
+            watch(Event::Failing {
+                why: &why,
+                hang: false,
+            });
             stop_all(&mut ranks, args.grace);
             break Ended::Failed {
                 code: exit_code(status),
@@ -580,9 +597,12 @@ pub(crate) fn run_round(
                     pid: r.child.id(),
                 })
                 .collect();
-            if let Verdict::Stop { why, hung, hang } = watch(&running) {
+            if let Verdict::Stop { why, hung, hang } = watch(Event::Tick(&running)) {
                 let running = running.len();
                 eprintln!("[kiln launch] {why}; stopping the {running} running rank(s)");
+                if hung.is_some() {
+                    watch(Event::Failing { why: &why, hang });
+                }
                 if let Some(r) = hung.and_then(|h| ranks.iter_mut().find(|r| r.rank == h)) {
                     // SAFETY: kill(2) on a process group this launcher created.
                     unsafe { libc::kill(-(r.child.id() as libc::pid_t), libc::SIGKILL) };

@@ -22,7 +22,7 @@
 //! at the end (`--summary FILE` writes them as JSON).
 
 use crate::hang::HangWatch;
-use crate::launch::{Ended, LaunchArgs, Program, Round, Verdict, run_round};
+use crate::launch::{Ended, Event, LaunchArgs, Program, Round, Verdict, run_round};
 use crate::rounds::{Agent, Next, finish, first_round, join_round, linger, signalled};
 use anyhow::{Context, Result};
 use std::time::{Duration, Instant};
@@ -173,7 +173,21 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             .last()
             .cloned()
             .filter(|r| r.recover_s.is_none());
-        let (ended, failed_ms) = run_round(args, prog, &r, &mut |ranks| {
+        let me = format!("node {}: ", args.node_rank);
+        let (ended, failed_ms) = run_round(args, prog, &r, &mut |event| {
+            let ranks = match event {
+                Event::Tick(ranks) => ranks,
+                // Told to the other nodes first (they see the cause before its effects).
+                Event::Failing { why, hang } => {
+                    // Briefly: a node cut off says it later, once it reaches the rendezvous.
+                    let brief = Duration::from_secs(2);
+                    if !agent.check(&failed_key, brief).unwrap_or(true) {
+                        let why = format!("{me}{why}");
+                        let _ = agent.set(&failed_key, &failure_mark(&why, hang), brief);
+                    }
+                    return Verdict::Continue;
+                }
+            };
             let verdict = watch.check(ranks);
             if !announced && let (Some(p), Some((first, at_ms))) = (&pending, watch.first_step()) {
                 announced = true;
@@ -239,11 +253,20 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
                 }
             }
             Ended::Failed { code, why, hang } => {
-                let why = format!("node {}: {why}", args.node_rank);
-                if !agent.check(&failed_key, patience).unwrap_or(true) {
-                    let _ = agent.set(&failed_key, &failure_mark(&why, hang), patience);
+                let why = format!("{me}{why}");
+                // Another node's failure recorded first is the cause; this one its effect
+                // (a rank here lost its peer there).
+                match agent.get_now(&failed_key, patience).ok().flatten() {
+                    Some(mark) if !mark.contains(&me) => {
+                        let (cause, hang) = failure_of(&mark);
+                        (format!("{cause} (here: {why})"), code, hang)
+                    }
+                    Some(_) => (why, code, hang),
+                    None => {
+                        let _ = agent.set(&failed_key, &failure_mark(&why, hang), patience);
+                        (why, code, hang)
+                    }
                 }
-                (why, code, hang)
             }
             // Another node's failure (its text names the node), or this node's whole job hung.
             Ended::Stopped { why, hang } => {
@@ -353,8 +376,14 @@ mod tests {
     #[test]
     fn a_failure_mark_keeps_whether_it_was_a_hang() {
         let why = "node 1: rank 3 (pid 9) hangs: it is stopped";
-        assert_eq!(failure_of(&failure_mark(why, true)), (why.to_string(), true));
-        assert_eq!(failure_of(&failure_mark("x\ty", false)), ("x\ty".into(), false));
+        assert_eq!(
+            failure_of(&failure_mark(why, true)),
+            (why.to_string(), true)
+        );
+        assert_eq!(
+            failure_of(&failure_mark("x\ty", false)),
+            ("x\ty".into(), false)
+        );
         assert_eq!(failure_of("older text"), ("older text".into(), false));
     }
 
