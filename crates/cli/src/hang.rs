@@ -62,14 +62,38 @@ impl HangWatch {
     }
 
     /// Reads the heartbeat files of the round's ranks once more, after they ended: each holds
-    /// the last step its rank completed.
+    /// the last step its rank completed. The directory is this round's, so a rank that ended
+    /// before the watch first saw it (a short round) counts too.
     pub(crate) fn read_last(&mut self) {
         let Some(dir) = &self.dir else { return };
-        for (rank, s) in &mut self.seen {
-            if let Some(beat) = Beat::read(&dir.join(format!("rank-{rank}")))
-                && beat.pid == s.pid
-            {
-                s.beat = beat;
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(rank) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("rank-"))
+                .and_then(|r| r.parse::<usize>().ok())
+            else {
+                continue;
+            };
+            let Some(beat) = Beat::read(&entry.path()) else {
+                continue;
+            };
+            match self.seen.get_mut(&rank) {
+                Some(s) if beat.pid == s.pid => s.beat = beat,
+                Some(_) => {}
+                None => {
+                    self.seen.insert(
+                        rank,
+                        Seen {
+                            pid: beat.pid,
+                            beat,
+                            alive_at: Instant::now(),
+                        },
+                    );
+                }
             }
         }
     }

@@ -560,16 +560,20 @@ pub(crate) fn run_round(
             stop_all(&mut ranks, args.grace);
             break Ended::Signal(sig);
         }
-        let mut failed = None;
-        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            if let Some(status) = r.child.try_wait().context("waiting for a rank")? {
-                r.status = Some(status);
-                if !status.success() && failed.is_none() {
-                    failed = Some((r.rank, status));
-                }
-            }
+        let mut failed = reap(&mut ranks)?;
+        if !failed.is_empty() {
+            // A rank's death makes its peers fail too (a reset connection) within milliseconds:
+            // the others that end meanwhile are reaped, and the cause named is a rank killed by
+            // a signal if one was, else the first to fail.
+            std::thread::sleep(Duration::from_millis(50));
+            failed.extend(reap(&mut ranks)?);
         }
-        if let Some((rank, status)) = failed {
+        let cause = failed
+            .iter()
+            .find(|(_, s)| s.signal().is_some())
+            .or(failed.first())
+            .copied();
+        if let Some((rank, status)) = cause {
             let running = ranks.iter().filter(|r| r.status.is_none()).count();
             let why = format!("rank {rank} {}", describe(status));
             eprintln!("[kiln launch] {why}; stopping the {running} other running rank(s)");
@@ -620,6 +624,20 @@ pub(crate) fn run_round(
         let _ = p.join();
     }
     Ok((ended, at_ms))
+}
+
+/// The ranks that ended since the last call, recorded; those that failed, in rank order.
+fn reap(ranks: &mut [Rank]) -> Result<Vec<(usize, ExitStatus)>> {
+    let mut failed = Vec::new();
+    for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+        if let Some(status) = r.child.try_wait().context("waiting for a rank")? {
+            r.status = Some(status);
+            if !status.success() {
+                failed.push((r.rank, status));
+            }
+        }
+    }
+    Ok(failed)
 }
 
 /// SIGTERM to every running rank's process group, SIGKILL after `grace` seconds.

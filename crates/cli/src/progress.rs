@@ -79,8 +79,6 @@ impl Report for Console {
                 self.info = Some(info.clone());
             }
             Event::Step(s) => {
-                // `kiln launch`'s progress signal: the steps it counts across restarts.
-                kiln_comm::progress::step(s.step);
                 let Some(info) = &self.info else { return };
                 match &self.bar {
                     Some(b) => {

@@ -81,7 +81,9 @@ fn check_restarts(s: &serde_json::Value, restarts: usize, every: u64) -> usize {
     let list = s["restarts"].as_array().unwrap();
     assert_eq!(list.len(), restarts, "{s:#}");
     for r in list {
-        let recomputed = r["recomputed"].as_u64().expect("steps recomputed known");
+        let recomputed = r["recomputed"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("steps recomputed unknown: {s:#}"));
         assert!(
             recomputed <= 2 * every,
             "{recomputed} steps recomputed: {s:#}"
