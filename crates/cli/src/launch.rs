@@ -1,9 +1,12 @@
 //! `kiln launch`: start the local ranks of a job with torchrun-style variables, prefix their
-//! output with the rank, and stop them all when one fails.
+//! output with the rank, and stop them all when one fails. With `--max-restarts`, or an
+//! elastic `--nnodes MIN:MAX`, the job is then started again from its latest snapshot
+//! (`crate::recovery`).
 
 use anyhow::{Context, Result, bail};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,9 +18,10 @@ pub struct LaunchArgs {
     /// Ranks to start on this node.
     #[arg(long)]
     pub nproc_per_node: usize,
-    /// Nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    pub nnodes: usize,
+    /// Nodes in the job: N, or MIN:MAX for an elastic job (a node that does not come back
+    /// within --rdzv-timeout after a failure is left out, while MIN remain).
+    #[arg(long, default_value = "1", value_parser = parse_nnodes)]
+    pub nnodes: NodeCount,
     /// This node's index (0 hosts rank 0 and the rendezvous store).
     #[arg(long, default_value_t = 0)]
     pub node_rank: usize,
@@ -35,9 +39,66 @@ pub struct LaunchArgs {
     /// oversubscribe the cores; a RAYON_NUM_THREADS already set is kept.
     #[arg(long)]
     pub threads_per_rank: Option<usize>,
+    /// Restart the job this many times after a failure (a rank that exits with an error or
+    /// is killed, or hangs: --hang-timeout), from its latest snapshot: the ranks see
+    /// KILN_RESTART_COUNT, and `kiln train` then resumes (from step 0 when there is no
+    /// snapshot yet).
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: usize,
+    /// Seconds before the first restart; doubled for each restart in a row whose job made no
+    /// step (at most 60).
+    #[arg(long, default_value_t = 1.0)]
+    pub restart_backoff: f64,
+    /// Seconds without progress (no step, no message received) after which a rank that is not
+    /// waiting on its peers, or that stopped running (SIGSTOP), is named and the job restarted
+    /// as after a failure. 0: off.
+    #[arg(long, default_value_t = 0.0)]
+    pub hang_timeout: f64,
+    /// With restarts: seconds the launchers wait for each other's nodes at each (re)start; an
+    /// elastic job goes on without the nodes that have not come by then.
+    #[arg(long, default_value_t = 60.0)]
+    pub rdzv_timeout: f64,
+    /// With restarts: write the recovery summary (restarts, steps recomputed, times to
+    /// recover) to this file as JSON.
+    #[arg(long)]
+    pub summary: Option<PathBuf>,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
+}
+
+/// `--nnodes`: a fixed count, or an elastic range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeCount {
+    /// The fewest nodes the job runs on.
+    pub min: usize,
+    /// The most (node ranks are 0..max).
+    pub max: usize,
+}
+
+impl NodeCount {
+    /// Whether the job may run on fewer nodes than it has.
+    pub fn elastic(&self) -> bool {
+        self.min < self.max
+    }
+}
+
+fn parse_nnodes(s: &str) -> std::result::Result<NodeCount, String> {
+    let count = |t: &str| {
+        t.trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("'{t}' is not a node count (a whole number, at least 1)"))
+    };
+    let (min, max) = match s.split_once(':') {
+        Some((a, b)) => (count(a)?, count(b)?),
+        None => (count(s)?, count(s)?),
+    };
+    if min > max {
+        return Err(format!("MIN:MAX with MIN ({min}) above MAX ({max})"));
+    }
+    Ok(NodeCount { min, max })
 }
 
 /// Compute threads per rank: `--threads-per-rank`, else a RAYON_NUM_THREADS the user set,
@@ -65,6 +126,11 @@ static SIGNAL: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn on_signal(sig: libc::c_int) {
     SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+/// A signal received since the last call, if any.
+pub(crate) fn take_signal() -> Option<i32> {
+    Some(SIGNAL.swap(0, Ordering::SeqCst)).filter(|s| *s != 0)
 }
 
 struct Rank {
@@ -144,7 +210,7 @@ fn start_error(program: &str, e: &std::io::Error) -> String {
 }
 
 /// A free TCP port on this machine (for `--master-port 0`).
-fn free_port() -> Result<u16> {
+pub(crate) fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("0.0.0.0:0").context("finding a free port")?;
     Ok(l.local_addr()?.port())
 }
@@ -209,36 +275,138 @@ fn job_token(nnodes: usize) -> Result<Option<String>> {
     Ok(Some(bytes.iter().map(|b| format!("{b:02x}")).collect()))
 }
 
+/// What every round of the job runs: the program, its environment, this node's threads.
+#[derive(Debug)]
+pub(crate) struct Program {
+    /// As given (for messages).
+    pub name: String,
+    /// As run.
+    pub resolved: PathBuf,
+    pub args: Vec<String>,
+    pub threads: usize,
+    pub nccl_dir: Option<PathBuf>,
+}
+
+/// One start of this node's ranks.
+#[derive(Debug)]
+pub(crate) struct Round<'a> {
+    /// The job's global rank of this node's first rank.
+    pub first_rank: usize,
+    /// Ranks in the job.
+    pub world: usize,
+    /// This node's index among the nodes of this round.
+    pub group_rank: usize,
+    pub master_addr: &'a str,
+    /// Where rank 0 hosts the ranks' rendezvous store.
+    pub port: u16,
+    pub token: Option<String>,
+    /// KILN_RESTART_COUNT for the ranks (restarts only).
+    pub restart: Option<usize>,
+    /// Where each rank writes its heartbeat (`rank-N`), when watched.
+    pub heartbeats: Option<&'a Path>,
+}
+
+/// A rank of a round, as the round's watcher sees it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Running {
+    pub rank: usize,
+    pub pid: u32,
+}
+
+/// What the round's watcher is told.
+#[derive(Debug)]
+pub(crate) enum Event<'a> {
+    /// About every 100 ms: the ranks still running.
+    Tick(&'a [Running]),
+    /// A rank of this node failed (or hangs: `hang`), said before the others are stopped, so
+    /// that the other nodes learn the cause before they see its consequences.
+    Failing { why: &'a str, hang: bool },
+}
+
+/// What the round's watcher wants.
+#[derive(Debug)]
+pub(crate) enum Verdict {
+    Continue,
+    /// Stop the ranks: `why`; `hung` is killed at once (it may not act on SIGTERM); `hang`:
+    /// whether this is a hang rather than a failure seen elsewhere.
+    Stop {
+        why: String,
+        hung: Option<usize>,
+        hang: bool,
+    },
+}
+
+/// How a round ended.
+#[derive(Debug)]
+pub(crate) enum Ended {
+    /// Every rank exited 0.
+    Done,
+    /// A rank failed (or was named hung): the launcher's exit code and what happened.
+    Failed { code: i32, why: String, hang: bool },
+    /// The launcher was sent a signal.
+    Signal(i32),
+    /// The watcher stopped the round without naming a rank of this node: a failure elsewhere,
+    /// or a hang of the whole job (`hang`).
+    Stopped { why: String, hang: bool },
+}
+
 /// Runs the job's local ranks; returns the exit code for the launcher.
 pub fn launch(args: &LaunchArgs) -> Result<i32> {
     if args.nproc_per_node == 0 {
         bail!("--nproc-per-node must be at least 1");
     }
-    if args.nnodes == 0 {
-        bail!("--nnodes must be at least 1");
-    }
-    if args.node_rank >= args.nnodes {
+    if args.node_rank >= args.nnodes.max {
         bail!(
             "--node-rank {} is out of range for --nnodes {} (nodes are 0..{})",
             args.node_rank,
-            args.nnodes,
-            args.nnodes
+            args.nnodes.max,
+            args.nnodes.max
         );
     }
-    let port = match args.master_port {
-        0 if args.nnodes > 1 => bail!(
+    for (flag, v) in [
+        ("--grace", args.grace),
+        ("--restart-backoff", args.restart_backoff),
+        ("--hang-timeout", args.hang_timeout),
+        ("--rdzv-timeout", args.rdzv_timeout),
+    ] {
+        if !v.is_finite() || v < 0.0 {
+            bail!("{flag} must be a number of seconds, at least 0 (got {v})");
+        }
+    }
+    if args.hang_timeout > 0.0 && args.hang_timeout < 1.0 {
+        // Heartbeats come every 200 ms; a process is taken as stopped after 1 s without one.
+        bail!(
+            "--hang-timeout must be 0 (off) or at least 1 second (got {})",
+            args.hang_timeout
+        );
+    }
+    let restarts = args.max_restarts > 0 || args.nnodes.elastic();
+    if args.master_port == 0 && args.nnodes.max > 1 {
+        bail!(
             "--master-port 0 (pick a free port) only works on one node: every node must be given \
              the same port"
-        ),
-        0 => free_port()?,
-        p => p,
-    };
-    let world = args.nproc_per_node * args.nnodes;
-    let token = job_token(args.nnodes)?;
+        );
+    }
+    if restarts && args.master_port == u16::MAX {
+        bail!(
+            "--master-port {}: restarts use it and the next port",
+            u16::MAX
+        );
+    }
+    let token = job_token(args.nnodes.max)?;
     let (program, program_args) = args.command.split_first().expect("clap requires a command");
-    let resolved = resolve_program(program)?;
-    let nccl_dir = nccl_link_dir();
-    let lock = Arc::new(Mutex::new(()));
+    let prog = Program {
+        name: program.clone(),
+        resolved: resolve_program(program)?,
+        args: program_args.to_vec(),
+        threads: threads_per_rank(
+            args.threads_per_rank,
+            std::env::var("RAYON_NUM_THREADS").ok().as_deref(),
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+            args.nproc_per_node,
+        )?,
+        nccl_dir: nccl_link_dir(),
+    };
 
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
@@ -246,37 +414,104 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
 
-    let threads = threads_per_rank(
-        args.threads_per_rank,
-        std::env::var("RAYON_NUM_THREADS").ok().as_deref(),
-        std::thread::available_parallelism().map_or(1, |n| n.get()),
-        args.nproc_per_node,
-    )?;
+    let code = if restarts {
+        crate::recovery::supervise(args, &prog, token)
+    } else {
+        let port = match args.master_port {
+            0 => free_port()?,
+            p => p,
+        };
+        let heartbeats = (args.hang_timeout > 0.0)
+            .then(|| heartbeat_dir(0))
+            .transpose()?;
+        let round = Round {
+            first_rank: args.node_rank * args.nproc_per_node,
+            world: args.nproc_per_node * args.nnodes.max,
+            group_rank: args.node_rank,
+            master_addr: &args.master_addr,
+            port,
+            token,
+            restart: None,
+            heartbeats: heartbeats.as_deref(),
+        };
+        let mut hangs = crate::hang::HangWatch::new(
+            args.hang_timeout,
+            heartbeats.clone(),
+            args.nnodes.max == 1,
+        );
+        let ended = run_round(args, &prog, &round, &mut |event| match event {
+            Event::Tick(ranks) => hangs.check(ranks),
+            Event::Failing { .. } => Verdict::Continue,
+        });
+        if let Some(dir) = &heartbeats {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        match ended?.0 {
+            Ended::Done => Ok(0),
+            Ended::Failed { code, .. } => Ok(code),
+            Ended::Signal(sig) => Ok(128 + sig),
+            Ended::Stopped { .. } => Ok(1),
+        }
+    };
+    if let Some(dir) = &prog.nccl_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    code
+}
 
+/// A fresh directory for round `round`'s heartbeat files.
+pub(crate) fn heartbeat_dir(round: usize) -> Result<PathBuf> {
+    let dir =
+        std::env::temp_dir().join(format!("kiln-launch-{}/round-{round}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("cannot create the heartbeat directory {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Starts this node's ranks for `round`, watches them and returns how the round ended and
+/// when that was seen (milliseconds since the epoch: a failure's detection, before the other
+/// ranks are stopped); every rank has exited when it returns.
+pub(crate) fn run_round(
+    args: &LaunchArgs,
+    prog: &Program,
+    round: &Round<'_>,
+    watch: &mut dyn FnMut(Event<'_>) -> Verdict,
+) -> Result<(Ended, u64)> {
+    let lock = Arc::new(Mutex::new(()));
     let mut ranks = Vec::with_capacity(args.nproc_per_node);
     let mut pumps = Vec::new();
     for local in 0..args.nproc_per_node {
-        let rank = args.node_rank * args.nproc_per_node + local;
-        let mut cmd = Command::new(&resolved);
-        cmd.args(program_args)
+        let rank = round.first_rank + local;
+        let mut cmd = Command::new(&prog.resolved);
+        cmd.args(&prog.args)
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
+            .env("WORLD_SIZE", round.world.to_string())
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
-            .env("GROUP_RANK", args.node_rank.to_string())
-            .env("MASTER_ADDR", &args.master_addr)
-            .env("MASTER_PORT", port.to_string())
-            .env("RAYON_NUM_THREADS", threads.to_string())
-            .env("OMP_NUM_THREADS", threads.to_string())
+            .env("GROUP_RANK", round.group_rank.to_string())
+            .env("MASTER_ADDR", round.master_addr)
+            .env("MASTER_PORT", round.port.to_string())
+            .env("RAYON_NUM_THREADS", prog.threads.to_string())
+            .env("OMP_NUM_THREADS", prog.threads.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             // Own process group: stopping a rank stops what it started too.
             .process_group(0);
-        if let Some(token) = &token {
+        if let Some(token) = &round.token {
             cmd.env("KILN_JOB_TOKEN", token);
         }
-        if let Some(dir) = &nccl_dir {
+        if let Some(n) = round.restart {
+            cmd.env("KILN_RESTART_COUNT", n.to_string());
+        }
+        if let Some(dir) = round.heartbeats {
+            cmd.env(
+                kiln_comm::progress::HEARTBEAT_FILE,
+                dir.join(format!("rank-{rank}")),
+            );
+        }
+        if let Some(dir) = &prog.nccl_dir {
             let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
             cmd.env("LD_LIBRARY_PATH", format!("{}:{old}", dir.display()));
         }
@@ -285,8 +520,9 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
             Err(e) => {
                 stop_all(&mut ranks, args.grace);
                 bail!(
-                    "cannot start rank {rank} ({program}): {}",
-                    start_error(program, &e)
+                    "cannot start rank {rank} ({}): {}",
+                    prog.name,
+                    start_error(&prog.name, &e)
                 );
             }
         };
@@ -309,43 +545,99 @@ pub fn launch(args: &LaunchArgs) -> Result<i32> {
         });
     }
 
-    let code = loop {
+    let mut last_watch = Instant::now();
+    let seen_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    };
+    let mut at_ms;
+    let ended = loop {
+        at_ms = seen_ms();
         let sig = SIGNAL.swap(0, Ordering::SeqCst);
         if sig != 0 {
             eprintln!("[kiln launch] received signal {sig}; stopping the ranks");
             stop_all(&mut ranks, args.grace);
-            break 128 + sig;
+            break Ended::Signal(sig);
         }
-        let mut failed = None;
-        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            if let Some(status) = r.child.try_wait().context("waiting for a rank")? {
-                r.status = Some(status);
-                if !status.success() && failed.is_none() {
-                    failed = Some((r.rank, status));
-                }
-            }
+        let mut failed = reap(&mut ranks)?;
+        if !failed.is_empty() {
+            // A rank's death makes its peers fail too (a reset connection) within milliseconds:
+            // the others that end meanwhile are reaped, and the cause named is a rank killed by
+            // a signal if one was, else the first to fail.
+            std::thread::sleep(Duration::from_millis(50));
+            failed.extend(reap(&mut ranks)?);
         }
-        if let Some((rank, status)) = failed {
+        let cause = failed
+            .iter()
+            .find(|(_, s)| s.signal().is_some())
+            .or(failed.first())
+            .copied();
+        if let Some((rank, status)) = cause {
             let running = ranks.iter().filter(|r| r.status.is_none()).count();
-            eprintln!(
-                "[kiln launch] rank {rank} {}; stopping the {running} other running rank(s)",
-                describe(status)
-            );
+            let why = format!("rank {rank} {}", describe(status));
+            eprintln!("[kiln launch] {why}; stopping the {running} other running rank(s)");
+            watch(Event::Failing {
+                why: &why,
+                hang: false,
+            });
             stop_all(&mut ranks, args.grace);
-            break exit_code(status);
+            break Ended::Failed {
+                code: exit_code(status),
+                why,
+                hang: false,
+            };
         }
         if ranks.iter().all(|r| r.status.is_some()) {
-            break 0;
+            break Ended::Done;
+        }
+        if last_watch.elapsed() >= Duration::from_millis(100) {
+            last_watch = Instant::now();
+            let running: Vec<Running> = ranks
+                .iter()
+                .filter(|r| r.status.is_none())
+                .map(|r| Running {
+                    rank: r.rank,
+                    pid: r.child.id(),
+                })
+                .collect();
+            if let Verdict::Stop { why, hung, hang } = watch(Event::Tick(&running)) {
+                let running = running.len();
+                eprintln!("[kiln launch] {why}; stopping the {running} running rank(s)");
+                if hung.is_some() {
+                    watch(Event::Failing { why: &why, hang });
+                }
+                if let Some(r) = hung.and_then(|h| ranks.iter_mut().find(|r| r.rank == h)) {
+                    // SAFETY: kill(2) on a process group this launcher created.
+                    unsafe { libc::kill(-(r.child.id() as libc::pid_t), libc::SIGKILL) };
+                }
+                stop_all(&mut ranks, args.grace);
+                break match hung {
+                    Some(_) => Ended::Failed { code: 1, why, hang },
+                    None => Ended::Stopped { why, hang },
+                };
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     for p in pumps {
         let _ = p.join();
     }
-    if let Some(dir) = nccl_dir {
-        let _ = std::fs::remove_dir_all(dir);
+    Ok((ended, at_ms))
+}
+
+/// The ranks that ended since the last call, recorded; those that failed, in rank order.
+fn reap(ranks: &mut [Rank]) -> Result<Vec<(usize, ExitStatus)>> {
+    let mut failed = Vec::new();
+    for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+        if let Some(status) = r.child.try_wait().context("waiting for a rank")? {
+            r.status = Some(status);
+            if !status.success() {
+                failed.push((r.rank, status));
+            }
+        }
     }
-    Ok(code)
+    Ok(failed)
 }
 
 /// SIGTERM to every running rank's process group, SIGKILL after `grace` seconds.
@@ -357,6 +649,8 @@ fn stop_all(ranks: &mut [Rank], grace: f64) {
         }
     };
     signal_all(ranks, libc::SIGTERM);
+    // A stopped rank (SIGSTOP) acts on SIGTERM only once continued.
+    signal_all(ranks, libc::SIGCONT);
     let deadline = Instant::now() + Duration::from_secs_f64(grace.max(0.0));
     loop {
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {

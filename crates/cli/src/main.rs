@@ -10,8 +10,11 @@
 //! A command's output goes to stdout, errors and the libraries' `tracing` diagnostics to stderr
 //! (filter: `KILN_LOG`, else `RUST_LOG`, else kiln's crates at `info`).
 
+mod hang;
 mod launch;
 mod progress;
+mod recovery;
+mod rounds;
 mod shard_check;
 mod train;
 mod verify_hf;

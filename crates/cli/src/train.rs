@@ -145,7 +145,7 @@ fn rank_on_device(
 ) -> kiln_train::Result<kiln_train::Summary> {
     // Rank 0 prints the run's progress and summary; the other ranks' consoles stay unused.
     let console = &mut Console::new();
-    match device {
+    let result = match device {
         "cpu" => train_rank_with::<burn::backend::Flex>(
             recipe,
             group,
@@ -170,7 +170,12 @@ fn rank_on_device(
                 "device '{other}' is not built in (cpu; cuda needs `--features cuda`)"
             )))
         }
-    }
+    };
+    // Snapshots are written asynchronously: the last one is complete before the rank ends.
+    let flushed = kiln_train::snapshot::flush();
+    let summary = result?;
+    flushed?;
+    Ok(summary)
 }
 
 pub fn train(args: &TrainArgs) -> Result<()> {
@@ -295,13 +300,53 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
     run(&recipe, t)
 }
 
-fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
-    let options = RunOptions {
-        resume: args.resume,
-        overwrite: args.overwrite,
+/// `KILN_RESTART_COUNT`: which restart of the job `kiln launch --max-restarts` started (0:
+/// the first start).
+fn restart_count() -> Result<usize> {
+    match std::env::var("KILN_RESTART_COUNT") {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().with_context(|| {
+            format!("KILN_RESTART_COUNT={v:?} is not a count (kiln launch sets it)")
+        }),
+        _ => Ok(0),
+    }
+}
+
+/// The options of this start of the run: a restart by `kiln launch` continues from the latest
+/// complete snapshot, or starts afresh when the job failed before writing one (the snapshots
+/// are then never deleted: `--overwrite` applied to the first start only).
+fn run_options(recipe: &Recipe, args: &TrainArgs, restart: usize) -> Result<RunOptions> {
+    if restart == 0 {
+        return Ok(RunOptions {
+            resume: args.resume,
+            overwrite: args.overwrite,
+            stop_after: args.stop_after,
+        });
+    }
+    let snapshots = recipe.output.dir.join("snapshots");
+    let latest = kiln_train::snapshot::latest(&snapshots)?;
+    if args.resume && latest.is_none() {
+        bail!(
+            "--resume: there is no complete snapshot in {} (restart {restart} of the job)",
+            snapshots.display()
+        );
+    }
+    Ok(RunOptions {
+        resume: latest.is_some(),
+        overwrite: false,
         stop_after: args.stop_after,
-    };
-    if kiln_comm::LaunchEnv::launched() {
+    })
+}
+
+fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
+    // Training goes on while snapshots are written (KILN_SYNC_SNAPSHOTS=1: it waits, as the
+    // library does by default); each rank flushes before it ends (`rank_on_device`).
+    kiln_train::snapshot::set_asynchronous(
+        std::env::var("KILN_SYNC_SNAPSHOTS").map_or(true, |v| v.trim() != "1"),
+    );
+    let launched = kiln_comm::LaunchEnv::launched();
+    let restart = if launched { restart_count()? } else { 0 };
+    let options = run_options(recipe, args, restart)?;
+    if launched {
         let env = kiln_comm::LaunchEnv::from_env()?;
         let group = kiln_comm::join(
             recipe.parallel.backend.name(),

@@ -26,6 +26,8 @@ pub fn join(
     env: &LaunchEnv,
     options: GroupOptions,
 ) -> Result<Arc<dyn ProcessGroup>> {
+    // Under `kiln launch`: the heartbeat its hang detection reads.
+    crate::progress::start_from_env();
     match backend {
         "tcp" => Ok(Arc::new(TcpGroup::from_launch_env(env, options)?)),
         #[cfg(feature = "nccl")]

@@ -29,6 +29,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod device;
 mod dtype;
 mod env;
@@ -43,6 +44,7 @@ pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod outbox;
+pub mod progress;
 mod rendezvous;
 pub mod selftest;
 mod shard;

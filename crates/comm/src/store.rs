@@ -5,14 +5,15 @@
 //! [`get`](StoreClient::get) (waits until the key exists), [`add`](StoreClient::add)
 //! (atomic counter), [`check`](StoreClient::check) and [`wait`](StoreClient::wait).
 //!
-//! Wire format (little endian): first `"KLNA" token_len:u32 token`, answered `status:u8 len:u64
-//! bytes`; then requests `op:u8 key_len:u32 key val_len:u64 val timeout_ms:u64`, each answered
-//! `status:u8 len:u64 bytes` (status 0 ok, 1 timed out, 2 error text).
+//! Wire format (little endian): first the job token's challenge–response ([`crate::auth`]),
+//! answered `status:u8 len:u64 bytes`; then requests `op:u8 key_len:u32 key val_len:u64 val
+//! timeout_ms:u64`, each answered `status:u8 len:u64 bytes` (status 0 ok, 1 timed out, 2 error
+//! text).
 //!
 //! The job token: a store given one ([`StoreServer::bind_with_token`], from `KILN_JOB_TOKEN`,
-//! which `kiln launch` sets) serves only connections that present it, and logs the others. It
-//! is a shared secret sent as it is, not encryption: it keeps other jobs, stale processes and
-//! strangers on the network out of the job, not an eavesdropper on the job's own network.
+//! which `kiln launch` sets) serves only connections that prove they hold it (an HMAC of a nonce
+//! the store draws for each connection, so replayed bytes are refused), and logs the others. It
+//! proves itself to its clients the same way. The traffic is not encrypted.
 
 use crate::error::{CommError, Result};
 use std::collections::HashMap;
@@ -32,12 +33,7 @@ const ST_OK: u8 = 0;
 const ST_TIMEOUT: u8 = 1;
 const ST_ERROR: u8 = 2;
 
-/// What a connection says first: the job token follows.
-const AUTH_MAGIC: [u8; 4] = *b"KLNA";
-
-/// Keys, values and tokens are bounded so that a stray client cannot make the server allocate
-/// wildly.
-const MAX_TOKEN: usize = 1 << 10;
+/// Keys and values are bounded so that a stray client cannot make the server allocate wildly.
 const MAX_KEY: usize = 4 << 10;
 const MAX_VALUE: usize = 64 << 20;
 
@@ -74,7 +70,7 @@ impl StoreServer {
         addr: impl ToSocketAddrs + std::fmt::Debug,
         token: Option<String>,
     ) -> Result<StoreServer> {
-        let token: Option<Arc<[u8]>> = token.map(|t| t.into_bytes().into());
+        let token: Option<Arc<str>> = token.map(Into::into);
         let shown = format!("{addr:?}").trim_matches('"').to_string();
         let listener = TcpListener::bind(&addr).map_err(|e| CommError::Store {
             addr: shown.clone(),
@@ -151,49 +147,7 @@ fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
-/// Whether `a` equals `b`, in time independent of where they differ.
-pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
-}
-
-/// Reads a connection's opening `"KLNA" len token` and checks the token against `want`
-/// (`None`: any). The error says why the connection is refused.
-pub(crate) fn check_token(
-    r: &mut impl Read,
-    want: Option<&[u8]>,
-) -> std::result::Result<(), String> {
-    let mut magic = [0u8; 4];
-    r.read_exact(&mut magic)
-        .map_err(|e| format!("no job token ({e})"))?;
-    if magic != AUTH_MAGIC {
-        return Err("not a kiln process (no job token)".into());
-    }
-    let len = read_u32(r).map_err(|e| format!("no job token ({e})"))? as usize;
-    if len > MAX_TOKEN {
-        return Err("job token too long".into());
-    }
-    let token = read_exact_vec(r, len).map_err(|e| format!("no job token ({e})"))?;
-    match want {
-        Some(want) if !same_secret(&token, want) => Err(if token.is_empty() {
-            "it presented no job token (KILN_JOB_TOKEN unset?)".into()
-        } else {
-            "it presented another job's token (KILN_JOB_TOKEN differs)".into()
-        }),
-        _ => Ok(()),
-    }
-}
-
-/// The opening `"KLNA" len token` of a connection.
-pub(crate) fn token_frame(token: Option<&str>) -> Vec<u8> {
-    let token = token.unwrap_or("").as_bytes();
-    let mut frame = Vec::with_capacity(8 + token.len());
-    frame.extend_from_slice(&AUTH_MAGIC);
-    frame.extend_from_slice(&(token.len() as u32).to_le_bytes());
-    frame.extend_from_slice(token);
-    frame
-}
-
-fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool, token: Option<&[u8]>) {
+fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool, token: Option<&str>) {
     let _ = conn.set_nodelay(true);
     let peer = conn
         .peer_addr()
@@ -211,7 +165,7 @@ fn serve(conn: TcpStream, table: &Table, stop: &AtomicBool, token: Option<&[u8]>
     };
     // A connection that never says anything keeps only its own thread.
     let _ = w.get_ref().set_read_timeout(Some(Duration::from_secs(60)));
-    match check_token(&mut r, token) {
+    match crate::auth::accept(&mut r, &mut w, token, 0).map(drop) {
         Ok(()) => {
             if answer(&mut w, ST_OK, &[]).is_err() {
                 return;
@@ -356,15 +310,26 @@ impl StoreClient {
                         let io = |e: std::io::Error| {
                             store_err(format!("lost the connection to the store: {e}"))
                         };
-                        conn.write_all(&token_frame(token)).map_err(io)?;
                         conn.set_read_timeout(Some(timeout.max(Duration::from_secs(5))))
                             .map_err(io)?;
+                        let proven = crate::auth::connect(&mut &conn, &mut &conn, token, &[]);
                         let mut status = [0u8; 1];
-                        conn.read_exact(&mut status).map_err(io)?;
-                        let len = (read_u64(&mut conn).map_err(io)? as usize).min(MAX_KEY);
-                        let body = read_exact_vec(&mut conn, len).map_err(io)?;
-                        if status[0] != ST_OK {
-                            return Err(store_err(String::from_utf8_lossy(&body).into_owned()));
+                        let answer = conn.read_exact(&mut status).and_then(|()| {
+                            let len = (read_u64(&mut conn)? as usize).min(MAX_KEY);
+                            read_exact_vec(&mut conn, len)
+                        });
+                        // The store's reason for a refusal first: it names this side's token.
+                        match (answer, proven) {
+                            (Ok(body), _) if status[0] != ST_OK => {
+                                return Err(store_err(String::from_utf8_lossy(&body).into_owned()));
+                            }
+                            (_, Err(e)) => {
+                                return Err(store_err(format!(
+                                    "the rendezvous store failed the handshake: {e}"
+                                )));
+                            }
+                            (Err(e), Ok(())) => return Err(io(e)),
+                            (Ok(_), Ok(())) => {}
                         }
                         return Ok(StoreClient {
                             addr: addr.to_string(),
@@ -555,5 +520,46 @@ mod tests {
         // A store without a token admits any client.
         let open = StoreServer::bind("127.0.0.1:0").unwrap();
         StoreClient::connect_with_token(&open.local_addr().to_string(), t, Some("x")).unwrap();
+    }
+
+    /// A process that captured a client's handshake off the wire and replays it is refused:
+    /// the store draws a fresh nonce for each connection, which the old proof does not answer.
+    #[test]
+    fn a_replayed_handshake_is_refused() {
+        let server = StoreServer::bind_with_token("127.0.0.1:0", Some("s3cret".into())).unwrap();
+        let store = server.local_addr();
+        // A proxy that forwards a client to the store and records what the client sends.
+        let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
+        let via = proxy.local_addr().unwrap().to_string();
+        let captured = Arc::new(Mutex::new(Vec::new()));
+        let cap = captured.clone();
+        std::thread::spawn(move || {
+            let (mut client, _) = proxy.accept().unwrap();
+            let mut upstream = TcpStream::connect(store).unwrap();
+            let (mut back_from, mut back_to) =
+                (upstream.try_clone().unwrap(), client.try_clone().unwrap());
+            std::thread::spawn(move || std::io::copy(&mut back_from, &mut back_to));
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = client.read(&mut buf) {
+                cap.lock().unwrap().extend_from_slice(&buf[..n]);
+                if upstream.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        });
+        let t = Duration::from_secs(5);
+        let genuine = StoreClient::connect_with_token(&via, t, Some("s3cret")).unwrap();
+        genuine.set("k", b"v").unwrap();
+        // The handshake: magic, flag and nonce (21 bytes), then the 32-byte proof.
+        let handshake = captured.lock().unwrap()[..53].to_vec();
+        let mut replay = TcpStream::connect(store).unwrap();
+        replay.write_all(&handshake).unwrap();
+        let mut reply = Vec::new();
+        let _ = replay.read_to_end(&mut reply);
+        let text = String::from_utf8_lossy(&reply);
+        assert!(text.contains("refused this process"), "{text}");
+        assert!(text.contains("replayed"), "{text}");
+        // The genuine client goes on.
+        assert_eq!(genuine.get("k").unwrap(), b"v");
     }
 }

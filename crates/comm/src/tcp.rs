@@ -51,6 +51,9 @@ impl Transport for TcpTransport {
         let mut conn = conn
             .lock()
             .map_err(|_| "connection lock poisoned".to_string())?;
+        // A write blocks when the peer stops reading (a peer that hangs): this rank then
+        // waits on it, as in a receive (crate::progress).
+        let _waiting = crate::progress::waiting();
         write_frame(&mut conn, &header.encode(), payload)
             .map_err(|e| format!("sending to rank {dst} failed: {e}"))
     }
@@ -162,6 +165,8 @@ impl TcpGroup {
     /// # Errors
     /// As [`TcpGroup::from_env`].
     pub fn from_launch_env(env: &LaunchEnv, options: GroupOptions) -> Result<TcpGroup> {
+        // Under `kiln launch`: the heartbeat its hang detection reads.
+        crate::progress::start_from_env();
         let (server, store) = env.rendezvous(options.timeout)?;
         let mut group = Self::connect(store, env.rank, env.world_size, options)?;
         group._server = server;
@@ -220,8 +225,9 @@ impl TcpGroup {
                 String::from_utf8_lossy(&store.get(&key(&format!("addr/{peer}")))?).into_owned();
             let stream = connect_until(&addr, deadline)
                 .map_err(|e| setup(format!("cannot connect to rank {peer} at {addr}: {e}")))?;
-            // The job token first: a peer refuses (and logs) a connection without it.
-            let mut hello = crate::store::token_frame(store.token());
+            // The job token first, proven (crate::auth) with the hello bound to the proof: a
+            // peer refuses (and logs) a connection that cannot prove it.
+            let mut hello = Vec::with_capacity(16);
             for v in [
                 HELLO_MAGIC,
                 PROTOCOL_VERSION,
@@ -230,9 +236,18 @@ impl TcpGroup {
             ] {
                 hello.extend_from_slice(&v.to_le_bytes());
             }
-            (&stream)
-                .write_all(&hello)
-                .map_err(|e| setup(format!("hello to rank {peer}: {e}")))?;
+            let wait = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_secs(1));
+            stream
+                .set_read_timeout(Some(wait))
+                .and_then(|()| stream.set_write_timeout(Some(wait)))
+                .map_err(|e| setup(format!("connection to rank {peer}: {e}")))?;
+            crate::auth::connect(&mut &stream, &mut &stream, store.token(), &hello)
+                .map_err(|e| setup(format!("handshake with rank {peer} at {addr}: {e}")))?;
+            stream
+                .set_read_timeout(None)
+                .map_err(|e| setup(format!("connection to rank {peer}: {e}")))?;
             *slot = Some(stream);
         }
         listener.set_nonblocking(true).map_err(|e| CommError::Io {
@@ -410,11 +425,7 @@ fn read_hello(
     stream
         .set_read_timeout(Some(wait))
         .map_err(|e| Hello::Bad(e.to_string()))?;
-    crate::store::check_token(&mut &*stream, token.map(str::as_bytes)).map_err(Hello::Refused)?;
-    let mut b = [0u8; 16];
-    (&*stream)
-        .read_exact(&mut b)
-        .map_err(|e| Hello::Refused(format!("no hello: {e}")))?;
+    let b = crate::auth::accept(&mut &*stream, &mut &*stream, token, 16).map_err(Hello::Refused)?;
     stream
         .set_read_timeout(None)
         .map_err(|e| Hello::Bad(e.to_string()))?;
@@ -477,11 +488,15 @@ mod tests {
         let probe = StoreClient::connect_with_token(&addr, options.timeout, Some("tok")).unwrap();
         let at = String::from_utf8(probe.get("kiln/tcp/world/addr/0").unwrap()).unwrap();
         let mut stray = TcpStream::connect(&at).unwrap();
-        let mut hello = crate::store::token_frame(Some("not-this-job"));
+        let mut hello = Vec::new();
         for v in [HELLO_MAGIC, PROTOCOL_VERSION, 1, 2] {
             hello.extend_from_slice(&v.to_le_bytes());
         }
-        stray.write_all(&hello).unwrap();
+        // Its handshake, with a proof made with its token (rank 0's proof, of this job's
+        // token, fails its check in turn).
+        let err = crate::auth::connect(&mut &stray, &mut &stray, Some("not-this-job"), &hello)
+            .unwrap_err();
+        assert!(err.contains("could not prove this job's token"), "{err}");
         // Refused: rank 0 closes the connection without a word (a reset when it leaves the
         // hello unread).
         let mut rest = Vec::new();
@@ -492,5 +507,55 @@ mod tests {
         let rank1 = join(1);
         assert_eq!(rank0.join().unwrap(), 3.0);
         assert_eq!(rank1.join().unwrap(), 3.0);
+    }
+
+    /// What a connector writes, recorded on the way (a process reading the job's traffic).
+    struct Recorder<'a> {
+        inner: &'a TcpStream,
+        seen: Vec<u8>,
+    }
+
+    impl Write for Recorder<'_> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.seen.extend_from_slice(buf);
+            self.inner.write_all(buf).map(|()| buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.inner.flush()
+        }
+    }
+
+    /// Rank 1's genuine handshake, captured and replayed byte for byte on a new connection, is
+    /// refused: the proof answered the nonce of the first connection, not the one rank 0 draws
+    /// for the replay.
+    #[test]
+    fn a_replayed_peer_handshake_is_refused() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = listener.local_addr().unwrap();
+        let mut hello = Vec::new();
+        for v in [HELLO_MAGIC, PROTOCOL_VERSION, 1, 2] {
+            hello.extend_from_slice(&v.to_le_bytes());
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let genuine = std::thread::spawn(move || {
+            let s = TcpStream::connect(at).unwrap();
+            let mut rec = Recorder {
+                inner: &s,
+                seen: Vec::new(),
+            };
+            crate::auth::connect(&mut &s, &mut rec, Some("tok"), &hello).unwrap();
+            rec.seen
+        });
+        let (s, _) = listener.accept().unwrap();
+        assert!(matches!(read_hello(&s, 2, deadline, Some("tok")), Ok(1)));
+        let captured = genuine.join().unwrap();
+        let mut replay = TcpStream::connect(at).unwrap();
+        replay.write_all(&captured).unwrap();
+        let (s, _) = listener.accept().unwrap();
+        match read_hello(&s, 2, deadline, Some("tok")) {
+            Err(Hello::Refused(why)) => assert!(why.contains("replayed"), "{why}"),
+            Ok(peer) => panic!("the replay was taken as rank {peer}"),
+            Err(Hello::Bad(e)) => panic!("not refused as a stranger: {e}"),
+        }
     }
 }

@@ -241,12 +241,16 @@ impl Mailbox {
         deadline: Instant,
     ) -> Result<Message, RecvError> {
         let mut state = crate::lock(&self.state);
+        // Set while this thread blocks: the launcher's heartbeat tells a rank that waits on
+        // its peers from one that is stuck (crate::progress).
+        let mut waiting = None;
         loop {
             if let Some(msg) = state
                 .queues
                 .get_mut(&(group, src, lane))
                 .and_then(VecDeque::pop_front)
             {
+                crate::progress::message();
                 return Ok(msg);
             }
             if let Some(reason) = state.closed.get(&src) {
@@ -256,6 +260,7 @@ impl Mailbox {
             if now >= deadline {
                 return Err(RecvError::Timeout);
             }
+            waiting.get_or_insert_with(crate::progress::waiting);
             state = self
                 .arrived
                 .wait_timeout(state, deadline - now)

@@ -15,7 +15,16 @@
 //! Atomicity: ranks write into `.step-00000100.partial/` (each file written under a temporary name,
 //! synced, then renamed); after a barrier rank 0 checks every rank's file, writes the manifest the
 //! same way, renames the directory to `step-00000100` and only then replaces `latest`. A crash at
-//! any point leaves `latest` naming the previous, complete snapshot. Resharding needs no
+//! any point leaves `latest` naming the previous, complete snapshot.
+//!
+//! Asynchronous writing ([`set_asynchronous`], which `kiln train` turns on; PyTorch DCP's
+//! `async_save`): [`save`] takes the pieces (already copied to host memory by the caller), makes
+//! the partial directory (a barrier only at a run's first save, where rank 0 clears what a
+//! crashed run left) and returns; a thread of the rank serialises,
+//! writes and syncs its file, and rank 0's thread then waits for every rank's index file
+//! (written last, atomically) instead of a barrier, and completes the snapshot as above. No
+//! collective runs off the training thread. [`flush`] waits for the writes (and reports their
+//! errors); the next `save` flushes first, and a run must flush before it ends. Resharding needs no
 //! communication: a rank reads the range it holds under the new layout from the pieces that
 //! cover it (PyTorch DCP's approach), which needs the directory to be visible to every rank
 //! (one machine, or a shared filesystem across nodes).
@@ -29,6 +38,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// The manifest's format version.
 pub const FORMAT: u32 = 1;
@@ -157,21 +170,106 @@ fn sync_dir(dir: &Path) {
 }
 
 /// For tests of crash safety: `KILN_TEST_ABORT_IN_SNAPSHOT=STEP` makes rank 0 abort the
-/// process after writing half of its file of that step's snapshot.
+/// process after writing half of its file of that step's snapshot, in the job's first start
+/// only (not in a restart by `kiln launch --max-restarts`, `KILN_RESTART_COUNT` > 0).
 fn abort_requested(step: usize, rank: usize) -> bool {
     rank == 0
+        && std::env::var("KILN_RESTART_COUNT").map_or(true, |n| n.trim() == "0")
         && std::env::var("KILN_TEST_ABORT_IN_SNAPSHOT")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             == Some(step)
 }
 
-/// Writes this rank's `parts` as part of snapshot `meta.step` under `root`; every rank of `group`
-/// must call it. Rank 0 completes the snapshot and deletes all but the newest `keep`.
-/// Returns the snapshot's directory.
+static ASYNCHRONOUS: AtomicBool = AtomicBool::new(false);
+
+/// A write under way: the snapshot root, the rank, the thread writing.
+type Pending = (PathBuf, usize, JoinHandle<Result<()>>);
+
+/// Writes still under way.
+static PENDING: Mutex<Vec<Pending>> = Mutex::new(Vec::new());
+
+/// The (root, rank) pairs that saved asynchronously in this process.
+static SAVED: Mutex<Vec<(PathBuf, usize)>> = Mutex::new(Vec::new());
+
+/// Whether this is `rank`'s first asynchronous save under `root` in this process.
+fn first_save(root: &Path, rank: usize) -> bool {
+    let mut saved = SAVED.lock().unwrap_or_else(PoisonError::into_inner);
+    let first = !saved.iter().any(|(r, k)| r == root && *k == rank);
+    if first {
+        saved.push((root.to_path_buf(), rank));
+    }
+    first
+}
+
+/// The partial directories (`.step-*.partial`) under `root`.
+fn partial_dirs(root: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with(".step-") && n.ends_with(".partial"))
+        })
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Makes [`save`] return before its files are written (see the module doc); off by default,
+/// since the caller must then [`flush`] before it relies on the snapshot or exits.
+pub fn set_asynchronous(on: bool) {
+    ASYNCHRONOUS.store(on, Ordering::Release);
+}
+
+/// Whether [`save`] writes asynchronously.
+pub fn asynchronous() -> bool {
+    ASYNCHRONOUS.load(Ordering::Acquire)
+}
+
+/// Waits for every snapshot write of this process still under way (each rank's file; rank 0's
+/// completion of the snapshot, which waits for every rank's file); the first error among
+/// them. Call it before exiting, and before reading a snapshot just saved.
 ///
 /// # Errors
-/// A file that cannot be written, a rank whose file is missing or damaged, a failed collective.
+/// A write that failed, or a rank whose file did not come within its group's timeout.
+pub fn flush() -> Result<()> {
+    flush_where(|_, _| true)
+}
+
+fn flush_where(select: impl Fn(&Path, usize) -> bool) -> Result<()> {
+    let mine: Vec<JoinHandle<Result<()>>> = {
+        let mut pending = PENDING.lock().unwrap_or_else(PoisonError::into_inner);
+        let (mine, rest) = std::mem::take(&mut *pending)
+            .into_iter()
+            .partition(|(root, rank, _)| select(root, *rank));
+        *pending = rest;
+        mine.into_iter().map(|(_, _, h)| h).collect()
+    };
+    let mut first = Ok(());
+    for h in mine {
+        let result = h.join().unwrap_or_else(|_| {
+            Err(TrainError::Snapshot(
+                "the thread writing a snapshot panicked".into(),
+            ))
+        });
+        if first.is_ok() {
+            first = result;
+        }
+    }
+    first
+}
+
+/// Writes this rank's `parts` as part of snapshot `meta.step` under `root`; every rank of `group`
+/// must call it. Rank 0 completes the snapshot and deletes all but the newest `keep`.
+/// Returns the snapshot's directory. Asynchronously ([`set_asynchronous`]) the directory is
+/// complete only once [`flush`] has returned; this rank's previous write is flushed first.
+///
+/// # Errors
+/// A file that cannot be written, a rank whose file is missing or damaged, a failed collective;
+/// asynchronously, the previous write's errors (this one's come from the next `save` or
+/// [`flush`]).
 pub fn save(
     root: &Path,
     meta: &Meta,
@@ -179,90 +277,198 @@ pub fn save(
     group: &dyn ProcessGroup,
     keep: usize,
 ) -> Result<PathBuf> {
+    save_as(root, meta, parts, group, keep, asynchronous())
+}
+
+fn save_as(
+    root: &Path,
+    meta: &Meta,
+    parts: Vec<Part>,
+    group: &dyn ProcessGroup,
+    keep: usize,
+    asynchronous: bool,
+) -> Result<PathBuf> {
     let rank = group.rank();
+    flush_where(|r, k| r == root && k == rank)?;
     let name = step_dir(meta.step);
     let partial = root.join(format!(".{name}.partial"));
     let done = root.join(&name);
-    if rank == 0 {
-        if partial.exists() {
-            std::fs::remove_dir_all(&partial)
-                .io(|| format!("cannot remove {}", partial.display()))?;
+    // A partial directory left by an earlier, crashed attempt must go before any rank writes
+    // into this one: synchronously, rank 0 removes it while the others wait. Asynchronously,
+    // rank 0 removes every stale partial directory at this rank's first save under `root`
+    // (all ranks' first saves are of the same step, so they all wait there); the partial
+    // directories of later saves are this run's own, and each rank makes it without waiting.
+    let first = !asynchronous || first_save(root, rank);
+    if rank == 0 && first {
+        let stale: Vec<PathBuf> = if asynchronous {
+            partial_dirs(root)
+        } else {
+            vec![partial.clone()]
+        };
+        for dir in stale.iter().filter(|d| d.exists()) {
+            std::fs::remove_dir_all(dir).io(|| format!("cannot remove {}", dir.display()))?;
         }
+    }
+    if rank == 0 || !first {
         std::fs::create_dir_all(&partial).io(|| format!("cannot create {}", partial.display()))?;
     }
-    group.barrier()?;
-
-    let file = format!("rank-{rank:05}.safetensors");
-    let mut index = RankIndex {
-        file: file.clone(),
-        bytes: 0,
-        crc32: 0,
-        parts: Vec::new(),
+    if first {
+        group.barrier()?;
+    }
+    let job = SnapshotWrite {
+        root: root.to_path_buf(),
+        meta: meta.clone(),
+        partial,
+        done: done.clone(),
+        rank,
+        world: group.world_size(),
+        keep,
     };
-    let mut buffers: Vec<(String, Vec<u8>, usize)> = Vec::new();
-    for (i, p) in parts.into_iter().enumerate() {
-        if p.values.is_empty() {
-            continue;
-        }
-        let key = format!("t{i}");
-        index.parts.push((
-            p.name,
-            p.shape,
-            PieceRef {
-                file: file.clone(),
-                key: key.clone(),
-                start: p.start,
-                end: p.start + p.values.len(),
-            },
-        ));
-        let len = p.values.len();
-        buffers.push((key, bytemuck_f32(&p.values), len));
-    }
-    let views: Vec<(String, TensorView)> = buffers
-        .iter()
-        .map(|(k, b, len)| {
-            (
-                k.clone(),
-                TensorView::new(Dtype::F32, vec![*len], b).expect("a 1-D f32 view"),
-            )
-        })
-        .collect();
-    let bytes = safetensors::serialize(views, None).map_err(|e| {
-        TrainError::Snapshot(format!("cannot serialise rank {rank}'s snapshot file: {e}"))
-    })?;
-    index.bytes = bytes.len() as u64;
-    index.crc32 = crc32fast::hash(&bytes);
-    if abort_requested(meta.step, rank) {
-        let path = partial.join(&file);
-        std::fs::File::create(&path)
-            .and_then(|mut f| {
-                f.write_all(&bytes[..bytes.len() / 2])?;
-                f.sync_all()
+    if asynchronous {
+        // Rank 0 waits for the others' files as long as a collective would wait for them.
+        let wait = group.timeout();
+        let handle = std::thread::Builder::new()
+            .name(format!("kiln-snapshot-{rank}"))
+            .spawn(move || {
+                job.write_pieces(parts)?;
+                if job.rank == 0 {
+                    job.await_ranks(wait)?;
+                    job.complete()?;
+                }
+                Ok(())
             })
-            .io(|| format!("cannot write {}", path.display()))?;
-        tracing::warn!(
-            "KILN_TEST_ABORT_IN_SNAPSHOT: aborting while writing {}",
-            path.display()
-        );
-        std::process::abort();
+            .io(|| "cannot start the thread that writes the snapshot".to_string())?;
+        PENDING
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((root.to_path_buf(), rank, handle));
+        return Ok(done);
     }
-    write_atomic(&partial.join(&file), &bytes)?;
-    write_atomic(
-        &partial.join(format!("rank-{rank:05}.json")),
-        serde_json::to_string(&index)
-            .expect("an index serialises")
-            .as_bytes(),
-    )?;
+    job.write_pieces(parts)?;
     group.barrier()?;
-
     if rank == 0 {
+        job.complete()?;
+    }
+    group.barrier()?;
+    Ok(done)
+}
+
+/// One rank's part of writing one snapshot.
+#[derive(Debug)]
+struct SnapshotWrite {
+    root: PathBuf,
+    meta: Meta,
+    partial: PathBuf,
+    done: PathBuf,
+    rank: usize,
+    world: usize,
+    keep: usize,
+}
+
+impl SnapshotWrite {
+    /// This rank's file and, last, its index (`rank-NNNNN.json`), each atomically.
+    fn write_pieces(&self, parts: Vec<Part>) -> Result<()> {
+        let rank = self.rank;
+        let file = format!("rank-{rank:05}.safetensors");
+        let mut index = RankIndex {
+            file: file.clone(),
+            bytes: 0,
+            crc32: 0,
+            parts: Vec::new(),
+        };
+        let mut buffers: Vec<(String, Vec<u8>, usize)> = Vec::new();
+        for (i, p) in parts.into_iter().enumerate() {
+            if p.values.is_empty() {
+                continue;
+            }
+            let key = format!("t{i}");
+            index.parts.push((
+                p.name,
+                p.shape,
+                PieceRef {
+                    file: file.clone(),
+                    key: key.clone(),
+                    start: p.start,
+                    end: p.start + p.values.len(),
+                },
+            ));
+            let len = p.values.len();
+            buffers.push((key, bytemuck_f32(&p.values), len));
+        }
+        let views: Vec<(String, TensorView)> = buffers
+            .iter()
+            .map(|(k, b, len)| {
+                (
+                    k.clone(),
+                    TensorView::new(Dtype::F32, vec![*len], b).expect("a 1-D f32 view"),
+                )
+            })
+            .collect();
+        let bytes = safetensors::serialize(views, None).map_err(|e| {
+            TrainError::Snapshot(format!("cannot serialise rank {rank}'s snapshot file: {e}"))
+        })?;
+        index.bytes = bytes.len() as u64;
+        index.crc32 = crc32fast::hash(&bytes);
+        if abort_requested(self.meta.step, rank) {
+            let path = self.partial.join(&file);
+            std::fs::File::create(&path)
+                .and_then(|mut f| {
+                    f.write_all(&bytes[..bytes.len() / 2])?;
+                    f.sync_all()
+                })
+                .io(|| format!("cannot write {}", path.display()))?;
+            tracing::warn!(
+                "KILN_TEST_ABORT_IN_SNAPSHOT: aborting while writing {}",
+                path.display()
+            );
+            std::process::abort();
+        }
+        write_atomic(&self.partial.join(&file), &bytes)?;
+        write_atomic(
+            &self.partial.join(format!("rank-{rank:05}.json")),
+            serde_json::to_string(&index)
+                .expect("an index serialises")
+                .as_bytes(),
+        )
+    }
+
+    /// Rank 0, asynchronously: waits until every rank's index file is there (each is renamed
+    /// into place after its rank's file is synced), up to `wait`.
+    fn await_ranks(&self, wait: Duration) -> Result<()> {
+        let deadline = Instant::now() + wait;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let missing: Vec<usize> = (0..self.world)
+                .filter(|r| !self.partial.join(format!("rank-{r:05}.json")).exists())
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                fail!(
+                    Snapshot,
+                    "ranks {missing:?} did not write their part of the snapshot of step {} \
+                     within {wait:?}; {} stays the latest",
+                    self.meta.step,
+                    LATEST
+                );
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    /// Rank 0: checks every rank's file, writes the manifest, renames the directory into
+    /// place, then points `latest` at it and prunes.
+    fn complete(&self) -> Result<()> {
+        let (partial, done, root) = (&self.partial, &self.done, &self.root);
         let mut manifest = Manifest {
             format: FORMAT,
-            meta: meta.clone(),
+            meta: self.meta.clone(),
             tensors: BTreeMap::new(),
             files: BTreeMap::new(),
         };
-        for r in 0..group.world_size() {
+        for r in 0..self.world {
             let path = partial.join(format!("rank-{r:05}.json"));
             let text = std::fs::read_to_string(&path)
                 .io(|| format!("rank {r} did not finish its snapshot file"))?;
@@ -308,20 +514,20 @@ pub fn save(
                 .expect("a manifest serialises")
                 .as_bytes(),
         )?;
-        sync_dir(&partial);
+        sync_dir(partial);
         if done.exists() {
             // A snapshot of the same step from an earlier attempt: this one replaces it.
-            std::fs::remove_dir_all(&done).io(|| format!("cannot replace {}", done.display()))?;
+            std::fs::remove_dir_all(done).io(|| format!("cannot replace {}", done.display()))?;
         }
-        std::fs::rename(&partial, &done)
+        std::fs::rename(partial, done)
             .io(|| format!("cannot rename {} to {}", partial.display(), done.display()))?;
         sync_dir(root);
+        let name = step_dir(self.meta.step);
         write_atomic(&root.join(LATEST), name.as_bytes())?;
         sync_dir(root);
-        prune(root, keep);
+        prune(root, self.keep);
+        Ok(())
     }
-    group.barrier()?;
-    Ok(done)
 }
 
 fn bytemuck_f32(values: &[f32]) -> Vec<u8> {
@@ -639,5 +845,39 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("rank-00001.safetensors is corrupted"), "{e}");
+    }
+
+    /// Asynchronously: `save` returns before the files exist, training (here: the next save)
+    /// goes on, and after `flush` the snapshots are as a synchronous save writes them.
+    #[test]
+    fn asynchronous_saves_complete_on_flush_and_keep_latest_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("snapshots");
+        std::fs::create_dir_all(&root).unwrap();
+        let whole: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        spawn_ranks(2, |g: LocalGroup| {
+            for step in [10, 20, 30] {
+                let r = share(0..1000, 2, g.rank());
+                let part = Part {
+                    name: "model/w".into(),
+                    shape: vec![1000],
+                    start: r.start,
+                    values: whole[r].iter().map(|v| v + step as f32).collect(),
+                };
+                let done = save_as(&root, &meta(step, 2), vec![part], &g, 2, true).unwrap();
+                assert!(done.ends_with(format!("step-{step:08}")));
+                // `latest` never names an incomplete snapshot.
+                if let Ok(Some(latest)) = latest(&root) {
+                    assert!(latest.join(MANIFEST).exists());
+                }
+            }
+            flush_where(|_, rank| rank == g.rank()).unwrap();
+        });
+        flush().unwrap();
+        assert_eq!(list(&root).len(), 2);
+        let snap = Snapshot::open(dir.path()).unwrap();
+        assert_eq!(snap.manifest.meta.step, 30);
+        let plus30: Vec<f32> = whole.iter().map(|v| v + 30.0).collect();
+        assert_eq!(snap.read("model/w", &[1000], 0..1000).unwrap(), plus30);
     }
 }

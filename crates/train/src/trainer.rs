@@ -414,6 +414,9 @@ where
             return Err(TrainError::Diverged { step, loss });
         }
         self.done.losses.push(loss);
+        // `kiln launch`'s progress signal, from every rank: the steps it counts across restarts
+        // and names a hang with.
+        kiln_comm::progress::step(step);
         self.record_step(step, lr, loss, waited, &config, &stats)
     }
 
@@ -558,6 +561,9 @@ where
     fn finish(mut self) -> Result<Summary> {
         let t = &self.recipe.train;
         let (first_step, last_step) = (self.first_step, self.last_step);
+        // The last snapshot complete (written asynchronously where the caller chose so) before the
+        // summary names it.
+        snapshot::flush()?;
         if self.done.evaluated_at != Some(last_step) {
             self.done.val_loss = self.validate_quietly()?;
         }
