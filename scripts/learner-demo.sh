@@ -46,7 +46,9 @@ python3 - "$OUT" <<'PY'
 import sys, pathlib
 out = pathlib.Path(sys.argv[1])
 def losses(run):
-    f = out / run / "train" / "epoch-3" / "Loss.log"
+    # burn-train's loggers number a resumed run's first epoch 1 (plain burn-train's too).
+    epoch = 3 if run == "whole" else 1
+    f = out / run / "train" / f"epoch-{epoch}" / "Loss.log"
     return [float(l.split(",")[0]) for l in f.read_text().split()]
 for run in ("resumed-2", "resumed-1"):
     a, b = losses(run), losses("whole")

@@ -138,6 +138,21 @@ fn program<B: AutodiffBackend>(
 where
     Batch<B>: Send,
 {
+    // 10 items in batches of 5: split 3 + 2 by 2 ranks, 2 + 1 + 1 + 1 by 4.
+    program_with(dir, epochs, resume, strategy, 5)
+}
+
+/// The program with validation batches of `valid_batch` items.
+fn program_with<B: AutodiffBackend>(
+    dir: &Path,
+    epochs: usize,
+    resume: Option<usize>,
+    strategy: Option<TrainingStrategy<Components<B>>>,
+    valid_batch: usize,
+) -> Mlp<B::InnerBackend>
+where
+    Batch<B>: Send,
+{
     let device = B::Device::default();
     B::seed(&device, 7);
     // 23 items in batches of 8: a last batch of 7, which 2 ranks split 4 + 3.
@@ -147,7 +162,7 @@ where
         .build(InMemDataset::new(items(23, 0)));
     let valid: Arc<dyn DataLoader<B::InnerBackend, Batch<B::InnerBackend>>> =
         DataLoaderBuilder::<B::InnerBackend, _, _>::new(Rows)
-            .batch_size(4)
+            .batch_size(valid_batch)
             .build(InMemDataset::new(items(10, 3)));
     let mut training = SupervisedTraining::new(dir, train, valid)
         .metrics((AccuracyMetric::new(), LossMetric::new()))
@@ -268,7 +283,7 @@ fn ranks_as_threads_equal_one_rank_under_every_strategy() {
         let model = program::<K>(&dir, 2, None, Some(kiln(ranks, strategy)));
         let what = format!("{strategy:?} x{ranks} vs 1 rank");
         for epoch in 1..=2 {
-            // Written once: one line per batch (3 training, 3 validation batches).
+            // Written once: one line per batch (3 training, 2 validation batches).
             assert_close(
                 &format!("{what}, train losses, epoch {epoch}"),
                 &logged(&dir, "train", epoch),
@@ -335,7 +350,8 @@ fn a_run_resumes_from_the_learners_checkpoint_at_another_world_size() {
         program::<K>(&dir, 3, Some(2), Some(kiln(ranks, strategy)));
         assert_close(
             &format!("resumed at epoch 3 on {strategy:?} x{ranks} vs uninterrupted, losses"),
-            &logged(&dir, "train", 3),
+            // burn-train's loggers number a resumed run's epochs from 1, as plain burn-train's.
+            &logged(&dir, "train", 1),
             &logged(&whole, "train", 3),
             1e-5,
         );
@@ -385,6 +401,23 @@ fn what_cannot_work_is_refused_by_name() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("at least one rank"), "{e}");
+    // A batch smaller than the world (10 validation items in batches of 4: a last batch of 2
+    // for 4 ranks) stops the job with its name, not deep in a tensor op.
+    let dir = fresh("small-batch");
+    let run = std::panic::catch_unwind(|| {
+        program_with::<K>(&dir, 1, None, Some(kiln(4, Strategy::Ddp)), 4)
+    });
+    let e = run.expect_err("a batch of 2 over 4 ranks is refused");
+    let e = e
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(
+        e.contains("a batch of 2 items cannot be split over 4 ranks"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 // ---- ranks as processes ----

@@ -12,7 +12,10 @@ use burn::{
         dataloader::DataLoaderBuilder,
         dataset::{
             Dataset,
-            transform::{ComposedDataset, MapperDataset, PartialDataset, SamplerDataset},
+            transform::{
+                ComposedDataset, MapperDataset, PartialDataset, SamplerDataset,
+                SamplerDatasetOptions,
+            },
         },
     },
     lr_scheduler::{
@@ -112,8 +115,8 @@ pub fn run<B: AutodiffBackend>(
     // kiln: the plain images only (upstream adds 15 random augmentations of them).
     let ident_trains = vec![(DatasetIdent::Plain, None)];
     let ident_valid = vec![(DatasetIdent::Plain, None)];
-    let dataset_train = DatasetIdent::compose(ident_trains, dataset_train_plain);
-    let dataset_valid = DatasetIdent::compose(ident_valid, dataset_valid_plain);
+    let dataset_train = DatasetIdent::compose(ident_trains, dataset_train_plain, config.seed);
+    let dataset_valid = DatasetIdent::compose(ident_valid, dataset_valid_plain, config.seed + 1);
 
     let dataloader_train = DataLoaderBuilder::new(MnistBatcher::default())
         .batch_size(config.batch_size)
@@ -263,20 +266,31 @@ impl DatasetIdent {
         MapperDataset::new(dataset, MnistMapper::default().transform(&items))
     }
 
+    /// kiln: the samplers drawn from `seed` (upstream: from the system's entropy, so that no two
+    /// runs see the same order and no run can be compared with another).
     pub fn compose(
         idents: Vec<(Self, Option<usize>)>,
         dataset: PartialDataset<Arc<MnistDataset>, MnistItem>,
+        seed: u64,
     ) -> impl Dataset<MnistItemPrepared> {
         let datasets = idents
             .into_iter()
             .map(|(ident, size)| match size {
-                Some(size) => {
-                    SamplerDataset::with_replacement(ident.prepare(dataset.clone()), size)
-                }
+                Some(size) => SamplerDataset::new(
+                    ident.prepare(dataset.clone()),
+                    SamplerDatasetOptions::from(size)
+                        .with_replacement()
+                        .with_seed(seed),
+                ),
                 None => {
                     let dataset = ident.prepare(dataset.clone());
                     let size = dataset.len();
-                    SamplerDataset::without_replacement(dataset, size)
+                    SamplerDataset::new(
+                        dataset,
+                        SamplerDatasetOptions::from(size)
+                            .without_replacement()
+                            .with_seed(seed),
+                    )
                 }
             })
             .collect();

@@ -94,8 +94,7 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
     fn next(&self, epoch: &mut Epoch<'_, I>) -> Result<Option<(I, Progress, Share)>, LearnerError> {
         let (rank, world) = (epoch.rank, epoch.world);
         let share = |rows| Share { rank, world, rows };
-        let mine = |item: I| {
-            let rows = item.rows();
+        let mine = |item: I, rows: usize| {
             // One rank keeps the batch untouched: the numbers of one device, exactly.
             let part = if world == 1 {
                 item
@@ -107,11 +106,14 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
         match self {
             Feed::Own(_) => {
                 let it = epoch.iter.as_mut().expect("a reading rank iterates");
-                Ok(it.next().map(|item| {
-                    let progress = it.progress();
-                    let (part, rows) = mine(item);
-                    (part, progress, share(rows))
-                }))
+                let Some(item) = it.next() else {
+                    return Ok(None);
+                };
+                let progress = it.progress();
+                let rows = item.rows();
+                check_share(&share(rows))?;
+                let (part, rows) = mine(item, rows);
+                Ok(Some((part, progress, share(rows))))
             }
             Feed::Lead(_, followers) => {
                 let it = epoch.iter.as_mut().expect("a reading rank iterates");
@@ -123,6 +125,8 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
                 };
                 let progress = it.progress();
                 let rows = item.rows();
+                // Refused before any rank splits it (the others then stop with rank 0).
+                check_share(&share(rows))?;
                 for (i, f) in followers.iter().enumerate() {
                     let theirs = item.split(&Share {
                         rank: i + 1,
@@ -134,7 +138,7 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
                             LearnerError::Disagree(format!("rank {} stopped taking batches", i + 1))
                         })?;
                 }
-                let (part, rows) = mine(item);
+                let (part, rows) = mine(item, rows);
                 Ok(Some((part, progress, share(rows))))
             }
             Feed::Follow(rx) => match rx.recv() {
@@ -279,7 +283,6 @@ where
                 let Some((item, progress, share)) = next.filter(|_| agreed.more) else {
                     break;
                 };
-                check_share(&share)?;
                 iteration += 1;
                 optim.lock().lr_step();
                 // One batch: forward and backward of this rank's rows (the program's TrainStep),
@@ -358,7 +361,6 @@ where
                 else {
                     break;
                 };
-                check_share(&share)?;
                 iteration += 1;
                 let out = autocast(config.precision, || InferenceStep::step(&model_valid, item));
                 if let (Some(lead), Some(out)) = (lead.as_mut(), out.gather(&share, g)?) {
