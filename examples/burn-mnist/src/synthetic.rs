@@ -62,7 +62,7 @@ impl Dataset<MnistItem> for MnistDataset {
                     (((r as f32 - 14.0).powi(2) + (c as f32 - 14.0).powi(2)).sqrt() - 3.0 - l)
                         .abs()
                         < 1.5;
-                let bar = (c + r * (label as usize % 3)) % (label as usize + 3) == 0;
+                let bar = (c + r * (label as usize % 3)).is_multiple_of(label as usize + 3);
                 let noise = (mix(seed ^ (r * 28 + c) as u64) % 64) as f32;
                 *px = if ring || bar { 255.0 - noise } else { noise };
             }
