@@ -62,6 +62,9 @@ fn main() -> anyhow::Result<()> {
         .with_quiet_softmax(true)
         .with_dropout(dropout);
     let (train, test) = (AgNewsDataset::train(), AgNewsDataset::test());
+    // kiln: the backend seeded (upstream's is not), so that runs (and the processes of one job)
+    // start from the same weights and can be compared.
+    <Flex as burn::tensor::backend::Backend>::seed(&Default::default(), config.seed);
     if mode == "plain" {
         let strategy = ExecutionStrategy::SingleDevice(Default::default()).into();
         text_classification::training::train::<Autodiff<Flex>, _>(

@@ -75,7 +75,11 @@ pub fn train<B: AutodiffBackend, D: TextClassificationDataset + 'static>(
     config: ExperimentConfig, // Experiment configuration
     artifact_dir: &str,       // Directory to save model and config files
 ) -> TextClassificationModel<B::InnerBackend> {
-    create_artifact_dir(artifact_dir);
+    // kiln: a resumed run keeps the directory (its checkpoints); upstream always empties it.
+    match config.resume {
+        None => create_artifact_dir(artifact_dir),
+        Some(_) => std::fs::create_dir_all(artifact_dir).unwrap(),
+    }
 
     // Initialize tokenizer
     let tokenizer = Arc::new(WordTokenizer);

@@ -119,7 +119,10 @@
 //! let loader = |items: Vec<[f32; 3]>| {
 //!     DataLoaderBuilder::<B, _, _>::new(Rows).batch_size(4).build(InMemDataset::new(items))
 //! };
-//! let valid = DataLoaderBuilder::<Flex, _, _>::new(Rows).batch_size(4).build(InMemDataset::new(items.clone()));
+//! // Validation runs on the inner backend, as in plain burn-train (was: Flex).
+//! let valid = DataLoaderBuilder::<kiln::Kiln<Flex>, _, _>::new(Rows)
+//!     .batch_size(4)
+//!     .build(InMemDataset::new(items.clone()));
 //! let dir = std::env::temp_dir().join(format!("kiln-learner-doc-{}", std::process::id()));
 //! let training = SupervisedTraining::new(&dir, loader(items), valid.clone())
 //!     .num_epochs(2)
@@ -128,8 +131,6 @@
 //!     .with_training_strategy(TrainingStrategy::Custom(Arc::new(
 //!         KilnStrategy::<Flex>::threads(2, ParallelPlan::new(Strategy::Zero3))?,
 //!     )));
-//! # let valid: Arc<dyn burn::data::dataloader::DataLoader<kiln::Kiln<Flex>, Batch<kiln::Kiln<Flex>>>> = valid;
-//! # let _ = valid;
 //! let model = Model::<B> { linear: LinearConfig::new(2, 1).init(&Default::default()) };
 //! let result = training.launch(Learner::new(model, AdamConfig::new().init(), 1e-2));
 //! assert_eq!(result.model.linear.weight.dims(), [2, 1]); // whole again

@@ -81,11 +81,14 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
         Epoch { iter, rank, world }
     }
 
-    /// Skips `epochs` epochs' shuffles (a resumed run draws what the uninterrupted run drew).
+    /// Reads `epochs` epochs of the loader without training on them, so that a resumed run
+    /// draws what the uninterrupted run drew: the loader's shuffles, and the draws of a dataset
+    /// with a generator of its own (burn's `SamplerDataset` draws as it is read). The cost is
+    /// the skipped epochs' data loading (no step runs); Burn's loaders have no state to restore.
     fn skip(&self, epochs: usize) {
         if let Feed::Own(l) | Feed::Lead(l, _) = self {
             for _ in 0..epochs {
-                drop(l.iter());
+                for _ in l.iter() {}
             }
         }
     }
