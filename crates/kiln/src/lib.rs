@@ -31,6 +31,8 @@
 //! ```
 #![warn(missing_docs)]
 
+#[cfg(feature = "learner")]
+pub mod learner;
 mod parallel;
 
 pub use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};

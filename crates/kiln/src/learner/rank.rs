@@ -1,0 +1,458 @@
+//! One rank's training: burn-train's epoch loop (train, validate, checkpoint, stop early), with
+//! each batch split among the ranks, the model parallelized, kiln's step around the Learner's
+//! optimizer, and the events and checkpoints on rank 0.
+
+use super::error::LearnerError;
+use super::split::{Gather, Share, Split};
+use super::state::{LearnerOptim, OptimRecord, StateRecord, optimizer_record, param_order};
+use crate::{Mesh, NoStages, ParallelPlan, Whole, parallelize};
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
+use burn::module::{AutodiffModule, Module};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::Backend;
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{
+    CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, LearnerEvent,
+    LearningCheckpointer, LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainStep,
+    TrainingItem,
+};
+use kiln_comm::{BufMut, ProcessGroup, ReduceOp};
+use kiln_shard::account::{param_bytes, record_bytes};
+use kiln_shard::{
+    ShardError, ShardedOptimizer, StepConfig, Train, autocast, gather_model, no_sync,
+    reduce_gradients, release, remark, scale_grads, step_with,
+};
+use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+
+pub(crate) type Model<LC> = <LC as LearningComponentsTypes>::TrainingModel;
+pub(crate) type TrainInput<LC> = <Model<LC> as TrainStep>::Input;
+pub(crate) type ValidInput<LC> =
+    <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Input;
+
+/// What a rank held after training, as kiln measured it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankFigures {
+    /// The rank.
+    pub rank: usize,
+    /// Bytes of the model's parameters this rank held (its shards under ZeRO-3).
+    pub param_bytes: usize,
+    /// Bytes of the optimizer's state this rank held (its shards under ZeRO-1/2/3), serialised.
+    pub optim_bytes: usize,
+    /// Optimizer steps taken.
+    pub steps: usize,
+}
+
+/// What rank 0 holds besides its model: the program's dashboard and loggers (the event
+/// processor), its checkpointer and its early stopping.
+pub(crate) struct Lead<LC: LearningComponentsTypes> {
+    pub processor: SupervisedTrainingEventProcessor<LC>,
+    pub checkpointer: Option<LearningCheckpointer<LC>>,
+    pub early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
+}
+
+/// One batch's share for this rank: (its rows, the loader's progress, the batch's rows).
+type Msg<I> = Option<(I, Progress, usize)>;
+
+/// Where a rank's batches come from.
+pub(crate) enum Feed<X: Backend, I> {
+    /// The rank reads the program's loader itself and keeps its rows (ranks as processes, each
+    /// with the loader the same program built: the same batches in the same order).
+    Own(Arc<dyn DataLoader<X, I>>),
+    /// Rank 0 of ranks as threads: reads the loader and sends every other rank its rows.
+    Lead(Arc<dyn DataLoader<X, I>>, Vec<SyncSender<Msg<I>>>),
+    /// The other ranks as threads: their rows, from rank 0.
+    Follow(Receiver<Msg<I>>),
+}
+
+struct Epoch<'a, I> {
+    iter: Option<Box<dyn DataLoaderIterator<I> + 'a>>,
+    rank: usize,
+    world: usize,
+}
+
+impl<X: Backend, I: Split + Send> Feed<X, I> {
+    fn epoch(&self, rank: usize, world: usize) -> Epoch<'_, I> {
+        let iter = match self {
+            Feed::Own(l) | Feed::Lead(l, _) => Some(l.iter()),
+            Feed::Follow(_) => None,
+        };
+        Epoch { iter, rank, world }
+    }
+
+    /// Reads `epochs` epochs of the loader without training on them, so that a resumed run
+    /// draws what the uninterrupted run drew: the loader's shuffles, and the draws of a dataset
+    /// with a generator of its own (burn's `SamplerDataset` draws as it is read). The cost is
+    /// the skipped epochs' data loading (no step runs); Burn's loaders have no state to restore.
+    fn skip(&self, epochs: usize) {
+        if let Feed::Own(l) | Feed::Lead(l, _) = self {
+            for _ in 0..epochs {
+                for _ in l.iter() {}
+            }
+        }
+    }
+
+    /// This rank's next share, or `None` at the epoch's end.
+    fn next(&self, epoch: &mut Epoch<'_, I>) -> Result<Option<(I, Progress, Share)>, LearnerError> {
+        let (rank, world) = (epoch.rank, epoch.world);
+        let share = |rows| Share { rank, world, rows };
+        let mine = |item: I, rows: usize| {
+            // One rank keeps the batch untouched: the numbers of one device, exactly.
+            let part = if world == 1 {
+                item
+            } else {
+                item.split(&share(rows))
+            };
+            (part, rows)
+        };
+        match self {
+            Feed::Own(_) => {
+                let it = epoch.iter.as_mut().expect("a reading rank iterates");
+                let Some(item) = it.next() else {
+                    return Ok(None);
+                };
+                let progress = it.progress();
+                let rows = item.rows();
+                check_share(&share(rows))?;
+                let (part, rows) = mine(item, rows);
+                Ok(Some((part, progress, share(rows))))
+            }
+            Feed::Lead(_, followers) => {
+                let it = epoch.iter.as_mut().expect("a reading rank iterates");
+                let Some(item) = it.next() else {
+                    for f in followers {
+                        let _ = f.send(None);
+                    }
+                    return Ok(None);
+                };
+                let progress = it.progress();
+                let rows = item.rows();
+                // Refused before any rank splits it (the others then stop with rank 0).
+                check_share(&share(rows))?;
+                for (i, f) in followers.iter().enumerate() {
+                    let theirs = item.split(&Share {
+                        rank: i + 1,
+                        world,
+                        rows,
+                    });
+                    f.send(Some((theirs, progress.clone(), rows)))
+                        .map_err(|_| {
+                            LearnerError::Disagree(format!("rank {} stopped taking batches", i + 1))
+                        })?;
+                }
+                let (part, rows) = mine(item, rows);
+                Ok(Some((part, progress, share(rows))))
+            }
+            Feed::Follow(rx) => match rx.recv() {
+                Ok(Some((part, progress, rows))) => Ok(Some((part, progress, share(rows)))),
+                Ok(None) => Ok(None),
+                Err(_) => Err(LearnerError::Disagree(
+                    "rank 0 stopped sending batches".into(),
+                )),
+            },
+        }
+    }
+}
+
+/// One rank's job.
+pub(crate) struct RankJob<B: Backend, C: CheckpointStrategy, LC: LearningComponentsTypes> {
+    pub learner: burn::train::Learner<LC>,
+    pub train: Feed<Train<B, C>, TrainInput<LC>>,
+    pub valid: Feed<kiln_shard::Shard<B>, ValidInput<LC>>,
+    pub lead: Option<Lead<LC>>,
+    pub store: Arc<EventStoreClient>,
+    pub interrupter: Interrupter,
+    pub checkpointing: bool,
+    pub num_epochs: usize,
+    pub starting_epoch: usize,
+    pub accumulation: Option<usize>,
+    pub plan: ParallelPlan,
+    pub figures: Arc<Mutex<Vec<RankFigures>>>,
+}
+
+/// What the ranks agree on before each batch: stop (the interrupter, on any rank), whether
+/// there is a batch, and its size (equal on every rank, else their loaders differ).
+struct Agreed {
+    stop: bool,
+    more: bool,
+}
+
+fn agree(
+    group: &dyn ProcessGroup,
+    stop: bool,
+    rows: Option<usize>,
+    what: &str,
+) -> Result<Agreed, LearnerError> {
+    let r = rows.map_or(-1, |r| r as i64);
+    let mut v = [i64::from(stop), r, -r];
+    group.all_reduce(BufMut::I64(&mut v), ReduceOp::Max)?;
+    if v[1] != -v[2] {
+        let most = (v[1] >= 0).then_some(v[1] as usize);
+        let least = (-v[2] >= 0).then_some((-v[2]) as usize);
+        return Err(LearnerError::Disagree(format!(
+            "{what}: one rank has {}, another has {} (ranks as processes must build the same \
+             loaders: the same data, batch size and shuffle seed, and at most one worker, whose \
+             order is the dataset's)",
+            describe(most),
+            describe(least),
+        )));
+    }
+    Ok(Agreed {
+        stop: v[0] != 0,
+        more: rows.is_some(),
+    })
+}
+
+fn describe(rows: Option<usize>) -> String {
+    match rows {
+        Some(n) => format!("a batch of {n} items"),
+        None => "no batch left".into(),
+    }
+}
+
+impl<B, C, LC> RankJob<B, C, LC>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    LC: LearningComponentsTypes<Backend = Train<B, C>>,
+    TrainInput<LC>: Split + Send,
+    <Model<LC> as TrainStep>::Output: Gather,
+    ValidInput<LC>: Split + Send,
+    <LC::InferenceModel as InferenceStep>::Output: Gather,
+    OptimRecord<LC>: StateRecord<Train<B, C>> + Send,
+    burn::train::Learner<LC>: Send,
+{
+    /// Trains; returns the whole model (every rank) and rank 0's lead back.
+    pub fn run(
+        self,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Result<(Model<LC>, Option<Lead<LC>>), LearnerError> {
+        let RankJob {
+            learner,
+            train,
+            valid,
+            mut lead,
+            store,
+            interrupter,
+            checkpointing,
+            num_epochs,
+            starting_epoch,
+            accumulation,
+            plan,
+            figures,
+        } = self;
+        let (rank, world) = (group.rank(), group.world_size());
+        let device: B::Device = Default::default();
+        let mesh = Mesh::new(group.clone(), &plan)?;
+        let parallel = parallelize::<B, C, Model<LC>, Whole, NoStages>(
+            learner.model(),
+            &Whole,
+            &NoStages,
+            &plan,
+            &mesh,
+            &device,
+        )?;
+        let config = parallel.step;
+        let mut model = parallel.model;
+        let optim = LearnerOptim(Arc::new(Mutex::new(learner)));
+        // The Learner holds the sharded model from here (not a whole copy).
+        optim.lock().load_model(model.clone().into_record());
+        train.skip(starting_epoch.saturating_sub(1));
+        valid.skip(starting_epoch.saturating_sub(1));
+        let g = group.as_ref();
+        let mut steps = 0;
+
+        for epoch in starting_epoch..=num_epochs {
+            let global = Progress::new(epoch, num_epochs);
+            // Training.
+            let mut feed = train.epoch(rank, world);
+            let mut iteration = 0;
+            let mut accumulator = GradientsAccumulator::<Model<LC>>::new();
+            let mut accumulated = 0;
+            let mut stopped = false;
+            loop {
+                let next = train.next(&mut feed)?;
+                let agreed = agree(
+                    g,
+                    interrupter.should_stop(),
+                    next.as_ref().map(|n| n.2.rows),
+                    "training batches",
+                )?;
+                if agreed.stop {
+                    stopped = true;
+                    break;
+                }
+                let Some((item, progress, share)) = next.filter(|_| agreed.more) else {
+                    break;
+                };
+                iteration += 1;
+                optim.lock().lr_step();
+                // One batch: forward and backward of this rank's rows (the program's TrainStep),
+                // gradients reduced over the ranks as the strategy says.
+                let even = share.is_even();
+                let deferred = accumulation.is_some() || !even;
+                let out = if deferred {
+                    let out = no_sync(&model, || {
+                        autocast(config.precision, || TrainStep::step(&model, item))
+                    });
+                    remark::<B, Train<B, C>, _>(&model);
+                    out
+                } else {
+                    autocast(config.precision, || TrainStep::step(&model, item))
+                };
+                let grads = if even {
+                    out.grads
+                } else {
+                    // Ranks with a row more weigh more: the batch's mean, as one device.
+                    let w = (share.len() * world) as f64 / share.rows as f64;
+                    scale_grads::<Train<B, C>, _>(&model, out.grads, w)
+                };
+                let ready = match accumulation {
+                    Some(k) => {
+                        accumulator.accumulate(&model, grads);
+                        accumulated += 1;
+                        (accumulated >= k).then(|| {
+                            accumulated = 0;
+                            reduce_gradients::<B, Train<B, C>, _>(&model, accumulator.grads())
+                        })
+                    }
+                    None if deferred => Some(reduce_gradients::<B, Train<B, C>, _>(&model, grads)),
+                    None => Some(grads),
+                };
+                if let Some(grads) = ready {
+                    model = optimizer_step(model, &optim, &config, grads)?;
+                    steps += 1;
+                }
+                let lr = optim.lock().lr_current();
+                let item = out.item.gather(&share, g)?;
+                if let (Some(lead), Some(item)) = (lead.as_mut(), item) {
+                    let item = TrainingItem::new(
+                        item,
+                        progress,
+                        global.clone(),
+                        Some(iteration),
+                        Some(lr),
+                    );
+                    lead.processor
+                        .process_train(LearnerEvent::ProcessedItem(item));
+                }
+            }
+            if let Some(lead) = lead.as_mut() {
+                lead.processor.process_train(LearnerEvent::EndEpoch(epoch));
+            }
+            if stopped {
+                if !interrupter.should_stop() {
+                    interrupter.stop(Some("another rank was interrupted"));
+                }
+                break;
+            }
+
+            // Validation, on every rank (reading a sharded parameter is a collective).
+            let model_valid = model.valid();
+            let mut feed = valid.epoch(rank, world);
+            let mut iteration = 0;
+            loop {
+                let next = valid.next(&mut feed)?;
+                let agreed = agree(
+                    g,
+                    interrupter.should_stop(),
+                    next.as_ref().map(|n| n.2.rows),
+                    "validation batches",
+                )?;
+                let Some((item, progress, share)) = next.filter(|_| agreed.more && !agreed.stop)
+                else {
+                    break;
+                };
+                iteration += 1;
+                let out = autocast(config.precision, || InferenceStep::step(&model_valid, item));
+                if let (Some(lead), Some(out)) = (lead.as_mut(), out.gather(&share, g)?) {
+                    let item =
+                        TrainingItem::new(out, progress, global.clone(), Some(iteration), None);
+                    lead.processor
+                        .process_valid(LearnerEvent::ProcessedItem(item));
+                }
+            }
+            if let Some(lead) = lead.as_mut() {
+                lead.processor.process_valid(LearnerEvent::EndEpoch(epoch));
+            }
+
+            // Checkpoint: every rank gathers its part, rank 0 writes through the program's
+            // checkpointer (its recorder, directory and strategy).
+            if checkpointing {
+                let whole = gather_model::<B, Train<B, C>, _>(model.clone());
+                let record = optimizer_record(&optim.lock(), &store);
+                let state = record.gather_whole(&param_order(&model), rank, &device);
+                if let (Some(lead), Some(state)) = (lead.as_mut(), state)
+                    && let Some(checkpointer) = lead.checkpointer.as_mut()
+                {
+                    let mut learner = optim.lock().clone();
+                    learner.load_model(whole.into_record());
+                    learner.load_optim(state);
+                    checkpointer.checkpoint(&learner, epoch, &store);
+                }
+            }
+
+            // Early stopping: rank 0 decides from its metrics, every rank follows.
+            let stop = lead
+                .as_mut()
+                .and_then(|l| l.early_stopping.as_mut())
+                .is_some_and(|s| s.should_stop(epoch, &store));
+            let mut flag = [i64::from(stop)];
+            g.all_reduce(BufMut::I64(&mut flag), ReduceOp::Max)?;
+            if flag[0] != 0 {
+                break;
+            }
+        }
+
+        let record = optimizer_record(&optim.lock(), &store);
+        figures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(RankFigures {
+                rank,
+                param_bytes: param_bytes::<B, Train<B, C>, _>(&model),
+                optim_bytes: record_bytes::<Train<B, C>, _>(record),
+                steps,
+            });
+        // The model whole, on every rank, and free of the groups (they end with the job): the
+        // program's code after `fit` uses it as one device's.
+        let whole = gather_model::<B, Train<B, C>, _>(model);
+        release::<B, Train<B, C>, _>(&whole);
+        Ok((Model::<LC>::from_inner(whole.valid()), lead))
+    }
+}
+
+/// A batch too small for the world: a rank would train on no row.
+fn check_share(share: &Share) -> Result<(), LearnerError> {
+    if share.rows < share.world {
+        return Err(LearnerError::Unsupported(format!(
+            "a batch of {} items cannot be split over {} ranks (each needs at least one): use a \
+             batch size of at least {} (or drop the last, smaller batch)",
+            share.rows, share.world, share.world
+        )));
+    }
+    Ok(())
+}
+
+/// kiln's step around the Learner's optimizer: ZeRO-1/2's slicing, global-norm clipping, the
+/// precision policy, re-marking for the next backward, buffers made equal.
+fn optimizer_step<B, C, LC>(
+    model: Model<LC>,
+    optim: &LearnerOptim<LC>,
+    config: &StepConfig,
+    grads: GradientsParams,
+) -> Result<Model<LC>, LearnerError>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    LC: LearningComponentsTypes<Backend = Train<B, C>>,
+    burn::train::Learner<LC>: Send,
+{
+    let lr = optim.lock().lr_current();
+    let mut sharded = ShardedOptimizer::<_, B>::new(optim.clone());
+    let (model, _) = step_with(model, &mut sharded, lr, config, None, |_, _| {
+        Ok::<_, ShardError>((0.0, grads))
+    })?;
+    Ok(model)
+}
