@@ -3,7 +3,8 @@
 #  1. Burn's text-classification example under `kiln launch`: ZeRO-3 on 2 processes vs 1 rank;
 #  2. a run killed with SIGKILL in its third epoch, resumed through the Learner's checkpoint
 #     option (`SupervisedTraining::checkpoint(2)`) on 2 ranks and on 1: its epoch-3 losses
-#     against the uninterrupted run's.
+#     against the uninterrupted run's;
+#  3. each rank's parameter and optimizer bytes at upstream's model size, 1 rank vs ZeRO-3 x2.
 # Release builds; about a few minutes on 2 cores after the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,3 +56,9 @@ for run in ("resumed-2", "resumed-1"):
     print(f"{run} vs uninterrupted, epoch 3: {len(a)} batches, "
           f"largest difference {max(abs(x - y) for x, y in zip(a, b)):.2e}")
 PY
+
+echo "== per-rank bytes: upstream's model size (d_model 256, 4 layers, 8 heads), 1 rank vs ZeRO-3 x2"
+for r in "1 ddp" "2 zero3"; do
+  $BIN kiln $r d_model=256 layers=4 heads=8 seq=64 train=32 test=16 batch=16 epochs=1 \
+    dir="$OUT/bytes-${r// /-}" 2>&1 | grep '^kiln:'
+done

@@ -73,9 +73,20 @@ fn main() -> anyhow::Result<()> {
     } else {
         let ranks: usize = args[1].parse()?;
         let plan = ParallelPlan::new(args[2].parse()?);
-        let strategy = KilnStrategy::<Flex>::launched_or_threads(ranks, plan)?;
-        let strategy = TrainingStrategy::Custom(Arc::new(strategy));
+        let kiln = Arc::new(KilnStrategy::<Flex>::launched_or_threads(ranks, plan)?);
+        let strategy = TrainingStrategy::Custom(kiln.clone());
         text_classification::training::train::<Train<Flex>, _>(strategy, train, test, config, &dir);
+        // What each rank of this process held (under ZeRO-3: about 1/N of one device's).
+        for f in kiln.figures() {
+            eprintln!(
+                "kiln: rank {} of {}: parameters {} B, optimizer state {} B, {} steps",
+                f.rank,
+                kiln.world_size(),
+                f.param_bytes,
+                f.optim_bytes,
+                f.steps
+            );
+        }
     }
     Ok(())
 }
