@@ -1,7 +1,7 @@
 //! Telling a hung rank from its waiting peers, by the heartbeats the ranks write
 //! (`kiln_comm::progress`): `kiln launch --hang-timeout`.
 
-use crate::launch::{Running, Verdict};
+use crate::round::{Running, Verdict};
 use kiln_comm::progress::Beat;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -232,7 +232,7 @@ fn proc_state(pid: u32) -> Option<char> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::launch::Running;
+    use crate::round::Running;
 
     /// Heartbeats of two ranks (pids that no process has): rank 0 waits on a peer, rank 1
     /// does not (or has a heartbeat that stopped); neither makes progress.

@@ -12,8 +12,10 @@
 
 mod hang;
 mod launch;
+mod launch_args;
 mod progress;
 mod recovery;
+mod round;
 mod rounds;
 mod shard_check;
 mod train;

@@ -22,7 +22,8 @@
 //! at the end (`--summary FILE` writes them as JSON).
 
 use crate::hang::HangWatch;
-use crate::launch::{Ended, Event, LaunchArgs, Program, Round, Verdict, run_round};
+use crate::launch_args::LaunchArgs;
+use crate::round::{Ended, Event, Program, Round, Verdict, heartbeat_dir, run_round};
 use crate::rounds::{Agent, Next, finish, first_round, join_round, linger, signalled};
 use anyhow::{Context, Result};
 use std::time::{Duration, Instant};
@@ -150,7 +151,7 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
                 plan.nodes.iter().map(|(n, _)| n).collect::<Vec<_>>()
             );
         }
-        let dir = crate::launch::heartbeat_dir(round)?;
+        let dir = heartbeat_dir(round)?;
         let mut watch = HangWatch::new(args.hang_timeout, Some(dir.clone()), plan.nodes.len() == 1);
         let r = Round {
             first_rank,

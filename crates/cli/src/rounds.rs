@@ -2,7 +2,7 @@
 //! launcher hosts a store for the whole job, and each start of the job is a round whose plan
 //! node 0 publishes (see `crate::recovery`).
 
-use crate::launch::LaunchArgs;
+use crate::launch_args::LaunchArgs;
 use anyhow::{Context, Result};
 use kiln_comm::store::{StoreClient, StoreServer};
 use std::time::{Duration, Instant};
@@ -156,7 +156,7 @@ pub(crate) enum Next {
 
 /// Whether the launcher was sent a signal (then: stop).
 pub(crate) fn signalled() -> Option<i32> {
-    crate::launch::take_signal()
+    crate::round::take_signal()
 }
 
 /// Node 0: waits for the nodes of round `r`, then publishes its plan.
@@ -207,7 +207,7 @@ fn coordinate(agent: &mut Agent, args: &LaunchArgs, r: usize) -> Result<Next> {
         std::thread::sleep(Duration::from_millis(50));
     };
     let port = if args.nnodes.max == 1 && args.master_port == 0 {
-        crate::launch::free_port()?
+        crate::round::free_port()?
     } else {
         args.master_port + 1
     };
