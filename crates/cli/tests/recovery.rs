@@ -16,30 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{KILN, TINY, children, latest_step, run_err, text, val_loss};
-
-/// `kiln train` of the tiny model: `steps`, a snapshot every `every`, into `out`.
-fn train_args(out: &Path, strategy: &str, steps: usize, every: usize) -> Vec<String> {
-    let mut a = vec!["train".to_string()];
-    for s in TINY {
-        a.extend(["--set".to_string(), s.to_string()]);
-    }
-    a.extend(
-        [
-            "--strategy",
-            strategy,
-            "--steps",
-            &steps.to_string(),
-            "--snapshot-every",
-            &every.to_string(),
-            "--out",
-            &out.display().to_string(),
-            "--overwrite",
-        ]
-        .map(String::from),
-    );
-    a
-}
+use common::{KILN, Nodes, children, latest_step, run_err, text, train_args, val_loss};
 
 /// `kiln launch` of `n` ranks on a free port, with restarts.
 fn launch_with_restarts(n: usize, summary: &Path, args: &[String]) -> Command {
@@ -238,133 +215,37 @@ fn bad_recovery_flags_are_named() {
     );
 }
 
-/// Two network namespaces `<tag>-0` and `<tag>-1` joined by a veth pair (see tests/nodes.rs,
-/// whose helper this follows); removed when dropped.
-struct Nodes {
-    ns: [String; 2],
-    dev: String,
-    addr: [String; 2],
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
+/// `kiln launch` as node `node` of `nnodes`, two ranks, restarts on; the launchers wait
+/// `rdzv` seconds for each other at a restart.
+fn launch(
+    nodes: &Nodes,
+    node: usize,
+    nnodes: &str,
+    rdzv: &str,
+    summary: &Path,
+    args: &[String],
+) -> Child {
+    nodes
+        .kiln_launch(node)
+        .args(["--nnodes", nnodes, "--node-rank", &node.to_string()])
+        .args(["--nproc-per-node", "2", "--master-addr", &nodes.addr[0]])
+        .args(["--master-port", "29700", "--max-restarts", "3"])
+        .args(["--restart-backoff", "0.2", "--rdzv-timeout", rdzv])
+        .arg("--summary")
+        .arg(summary)
+        .args(["--", KILN])
         .args(args)
-        .output()
-        .map_err(|e| format!("cannot run `ip` (iproute2): {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "`ip {}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-impl Nodes {
-    fn new(test: u8) -> Result<Nodes, String> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("not root: network namespaces need CAP_NET_ADMIN".into());
-        }
-        let pid = std::process::id();
-        let nodes = Nodes {
-            ns: [0, 1].map(|i| format!("krec{pid}t{test}-{i}")),
-            dev: format!("kr{}{test}", pid % 100_000),
-            addr: [1, 2].map(|i| format!("10.{}.{}.{i}", 150 + pid % 50, 50 + test)),
-        };
-        for ns in &nodes.ns {
-            ip(&["netns", "add", ns])?;
-        }
-        let (d0, d1) = (format!("{}0", nodes.dev), format!("{}1", nodes.dev));
-        ip(&[
-            "link",
-            "add",
-            &d0,
-            "netns",
-            &nodes.ns[0],
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &d1,
-            "netns",
-            &nodes.ns[1],
-        ])?;
-        for (i, d) in [&d0, &d1].into_iter().enumerate() {
-            let ns = nodes.ns[i].as_str();
-            let addr = format!("{}/24", nodes.addr[i]);
-            ip(&["-n", ns, "addr", "add", &addr, "dev", d])?;
-            ip(&["-n", ns, "link", "set", d, "up"])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            ip(&["netns", "exec", ns, "true"])?;
-        }
-        Ok(nodes)
-    }
-
-    /// `kiln launch` as node `node` of `nnodes`, two ranks, restarts on; the launchers wait
-    /// `rdzv` seconds for each other at a restart.
-    fn launch(
-        &self,
-        node: usize,
-        nnodes: &str,
-        rdzv: &str,
-        summary: &Path,
-        args: &[String],
-    ) -> Child {
-        Command::new("ip")
-            .args(["netns", "exec", &self.ns[node], KILN, "launch"])
-            .args(["--nnodes", nnodes, "--node-rank", &node.to_string()])
-            .args(["--nproc-per-node", "2", "--master-addr", &self.addr[0]])
-            .args(["--master-port", "29700", "--max-restarts", "3"])
-            .args(["--restart-backoff", "0.2", "--rdzv-timeout", rdzv])
-            .arg("--summary")
-            .arg(summary)
-            .args(["--", KILN])
-            .args(args)
-            .env("KILN_JOB_TOKEN", "recovery-nodes")
-            .env("KILN_COMM_TIMEOUT", "5")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("ip netns exec runs")
-    }
-
-    fn link(&self, state: &str) {
-        ip(&[
-            "-n",
-            &self.ns[0],
-            "link",
-            "set",
-            &format!("{}0", self.dev),
-            state,
-        ])
-        .unwrap();
-    }
-}
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        for ns in &self.ns {
-            let _ = ip(&["netns", "del", ns]);
-        }
-    }
-}
-
-fn nodes_or_skip(test: u8) -> Option<Nodes> {
-    match Nodes::new(test) {
-        Ok(n) => Some(n),
-        Err(why) => {
-            eprintln!("SKIPPED (no network namespaces): {why}");
-            None
-        }
-    }
+        .env("KILN_JOB_TOKEN", "recovery-nodes")
+        .env("KILN_COMM_TIMEOUT", "5")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("ip netns exec runs")
 }
 
 /// Runs a two-node job of `args` to its end, both launchers; their outputs.
 fn both(nodes: &Nodes, nnodes: &str, dir: &Path, args: &[String]) -> [String; 2] {
-    let runs = [0, 1].map(|n| nodes.launch(n, nnodes, "8", &dir.join(format!("s{n}.json")), args));
+    let runs = [0, 1].map(|n| launch(nodes, n, nnodes, "8", &dir.join(format!("s{n}.json")), args));
     runs.map(|r| {
         let out = r.wait_with_output().unwrap();
         let t = text(&out);
@@ -375,7 +256,7 @@ fn both(nodes: &Nodes, nnodes: &str, dir: &Path, args: &[String]) -> [String; 2]
 
 #[test]
 fn a_link_down_and_up_again_restarts_both_nodes_and_the_job_ends_as_if_uninterrupted() {
-    let Some(nodes) = nodes_or_skip(1) else {
+    let Some(nodes) = Nodes::or_skip(11) else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -392,8 +273,16 @@ fn a_link_down_and_up_again_restarts_both_nodes_and_the_job_ends_as_if_uninterru
 
     let run = tmp.path().join("run");
     let args = train_args(&run, "zero3", steps, every);
-    let runs =
-        [0, 1].map(|n| nodes.launch(n, "2", "20", &tmp.path().join(format!("s{n}.json")), &args));
+    let runs = [0, 1].map(|n| {
+        launch(
+            &nodes,
+            n,
+            "2",
+            "20",
+            &tmp.path().join(format!("s{n}.json")),
+            &args,
+        )
+    });
     wait_until("a snapshot", Duration::from_secs(60), || {
         latest_step(&run) >= Some(every)
     });
@@ -433,7 +322,7 @@ fn descendants(pid: i32) -> Vec<i32> {
 
 #[test]
 fn a_node_lost_for_good_leaves_an_elastic_job_to_finish_on_the_other() {
-    let Some(nodes) = nodes_or_skip(2) else {
+    let Some(nodes) = Nodes::or_skip(12) else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -447,8 +336,16 @@ fn a_node_lost_for_good_leaves_an_elastic_job_to_finish_on_the_other() {
 
     let run = tmp.path().join("run");
     let args = train_args(&run, "zero3", steps, every);
-    let [node0, node1] =
-        [0, 1].map(|n| nodes.launch(n, "1:2", "8", &tmp.path().join(format!("s{n}.json")), &args));
+    let [node0, node1] = [0, 1].map(|n| {
+        launch(
+            &nodes,
+            n,
+            "1:2",
+            "8",
+            &tmp.path().join(format!("s{n}.json")),
+            &args,
+        )
+    });
     wait_until("a snapshot", Duration::from_secs(60), || {
         latest_step(&run) >= Some(every)
     });

@@ -144,3 +144,126 @@ pub fn assert_shard_check_passed(out: &str, strategy: &str, n: usize) {
     );
     assert!(!out.contains("FAIL"), "{out}");
 }
+
+/// `kiln train` of the tiny recipe with `strategy` for `steps`, a snapshot every `every` steps
+/// (0: only at the end), into `out`.
+#[allow(dead_code)]
+pub fn train_args(out: &Path, strategy: &str, steps: usize, every: usize) -> Vec<String> {
+    let mut a = vec!["train".to_string()];
+    for s in TINY {
+        a.extend(["--set".to_string(), s.to_string()]);
+    }
+    a.extend(
+        [
+            "--strategy",
+            strategy,
+            "--steps",
+            &steps.to_string(),
+            "--snapshot-every",
+            &every.to_string(),
+            "--out",
+            &out.display().to_string(),
+            "--overwrite",
+        ]
+        .map(String::from),
+    );
+    a
+}
+
+/// Two network namespaces `kiln<pid>t<test>-0` and `-1`, each a "node" with its own address
+/// and loopback, joined by the veth pair `<dev>0` / `<dev>1` (10.x.<test>.1 and .2); removed
+/// when dropped. `test` tells apart the pairs of one test binary (and of the binaries that use
+/// it: give each test a number of its own).
+#[allow(dead_code)]
+pub struct Nodes {
+    pub ns: [String; 2],
+    pub dev: String,
+    pub addr: [String; 2],
+}
+
+#[allow(dead_code)]
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run `ip` (iproute2): {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+#[allow(dead_code)]
+impl Nodes {
+    /// The pair, or why it cannot be made here (not root, no `ip`, a container that forbids it).
+    pub fn new(test: u8) -> Result<Nodes, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not root: network namespaces need CAP_NET_ADMIN".into());
+        }
+        let pid = std::process::id();
+        let tag = format!("kiln{pid}t{test}");
+        let dev = format!("kv{}{test}", pid % 100_000);
+        let subnet = format!("10.{}.{}", 100 + pid % 100, test);
+        let nodes = Nodes {
+            ns: [format!("{tag}-0"), format!("{tag}-1")],
+            dev: dev.clone(),
+            addr: [format!("{subnet}.1"), format!("{subnet}.2")],
+        };
+        for ns in &nodes.ns {
+            ip(&["netns", "add", ns])?;
+        }
+        let (d0, d1) = (format!("{dev}0"), format!("{dev}1"));
+        let (n0, n1) = (nodes.ns[0].as_str(), nodes.ns[1].as_str());
+        ip(&[
+            "link", "add", &d0, "netns", n0, "type", "veth", "peer", "name", &d1, "netns", n1,
+        ])?;
+        for (i, d) in [&d0, &d1].into_iter().enumerate() {
+            let ns = nodes.ns[i].as_str();
+            let addr = format!("{}/24", nodes.addr[i]);
+            ip(&["-n", ns, "addr", "add", &addr, "dev", d])?;
+            ip(&["-n", ns, "link", "set", d, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            // `ip netns exec` also mounts /sys, which some containers forbid even to root.
+            ip(&["netns", "exec", ns, "true"])?;
+        }
+        Ok(nodes)
+    }
+
+    /// The pair, or `None` after saying on stderr why the test skips.
+    pub fn or_skip(test: u8) -> Option<Nodes> {
+        match Nodes::new(test) {
+            Ok(n) => Some(n),
+            Err(why) => {
+                eprintln!("SKIPPED (no network namespaces): {why}");
+                None
+            }
+        }
+    }
+
+    /// `kiln launch` run inside node `node`'s namespace (its flags to be added).
+    pub fn kiln_launch(&self, node: usize) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns[node], KILN, "launch"]);
+        c
+    }
+
+    /// Node 0's end of the link set `"up"` or `"down"`.
+    pub fn link(&self, state: &str) {
+        let dev = format!("{}0", self.dev);
+        ip(&["-n", &self.ns[0], "link", "set", &dev, state]).unwrap();
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for ns in &self.ns {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
