@@ -245,50 +245,31 @@ fn all3<A, B, C>(a: Option<A>, b: Option<B>, c: Option<C>) -> Option<(A, B, C)> 
     Some((a?, b?, c?))
 }
 
-impl<B: Backend> Gather for ClassificationOutput<B> {
-    fn gather(self, share: &Share, group: &dyn ProcessGroup) -> Result<Option<Self>, LearnerError> {
-        let loss = mean_over(self.loss, share, group)?;
-        let output = gather_rows(self.output, group)?;
-        let targets = gather_rows(self.targets, group)?;
-        Ok(
-            all3(loss, output, targets).map(|(loss, output, targets)| ClassificationOutput {
-                loss,
-                output,
-                targets,
-            }),
-        )
-    }
-}
-
-impl<B: Backend> Gather for MultiLabelClassificationOutput<B> {
-    fn gather(self, share: &Share, group: &dyn ProcessGroup) -> Result<Option<Self>, LearnerError> {
-        let loss = mean_over(self.loss, share, group)?;
-        let output = gather_rows(self.output, group)?;
-        let targets = gather_rows(self.targets, group)?;
-        Ok(all3(loss, output, targets).map(|(loss, output, targets)| {
-            MultiLabelClassificationOutput {
-                loss,
-                output,
-                targets,
+/// burn-train's outputs of `{ loss, output, targets }`: the batch's mean loss, the rows put
+/// back together.
+macro_rules! gather_loss_output_targets {
+    ($($output:ident),*) => {$(
+        impl<B: Backend> Gather for $output<B> {
+            fn gather(
+                self,
+                share: &Share,
+                group: &dyn ProcessGroup,
+            ) -> Result<Option<Self>, LearnerError> {
+                let loss = mean_over(self.loss, share, group)?;
+                let output = gather_rows(self.output, group)?;
+                let targets = gather_rows(self.targets, group)?;
+                Ok(all3(loss, output, targets)
+                    .map(|(loss, output, targets)| $output { loss, output, targets }))
             }
-        }))
-    }
+        }
+    )*};
 }
 
-impl<B: Backend> Gather for RegressionOutput<B> {
-    fn gather(self, share: &Share, group: &dyn ProcessGroup) -> Result<Option<Self>, LearnerError> {
-        let loss = mean_over(self.loss, share, group)?;
-        let output = gather_rows(self.output, group)?;
-        let targets = gather_rows(self.targets, group)?;
-        Ok(
-            all3(loss, output, targets).map(|(loss, output, targets)| RegressionOutput {
-                loss,
-                output,
-                targets,
-            }),
-        )
-    }
-}
+gather_loss_output_targets!(
+    ClassificationOutput,
+    MultiLabelClassificationOutput,
+    RegressionOutput
+);
 
 impl<B: Backend> Gather for SequenceOutput<B> {
     fn gather(self, share: &Share, group: &dyn ProcessGroup) -> Result<Option<Self>, LearnerError> {
