@@ -71,5 +71,5 @@ pub use strategy::optim::{ShardedOptimizer, clip_grad_norm, grad_norm, scale_gra
 pub use strategy::prefetch::PrefetchStats;
 pub use strategy::shard::{
     ShardGroups, backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release,
-    remark, shard, shard_over,
+    remark, shard, shard_over, with_batch_statistics,
 };

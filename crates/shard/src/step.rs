@@ -18,7 +18,7 @@ use crate::features::lowrank::masks_seeded;
 use crate::features::precision::{LossScale, Precision, autocast};
 use crate::features::remat::{Pool, RematStats, recorder};
 use crate::strategy::optim::{clip_coefficient, grad_norm, scale_grads};
-use crate::strategy::shard::{backward, no_sync, reduce_gradients, remark};
+use crate::strategy::shard::{backward, no_sync, reduce_gradients, remark, with_batch_statistics};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
@@ -229,10 +229,12 @@ where
             scale,
             _step: std::marker::PhantomData,
         };
-        let (total, grads) = match config.dropout_seed {
-            Some(seed) => masks_seeded(seed, || grads(&model, &passes))?,
-            None => grads(&model, &passes)?,
+        // Under SyncBatchNorm, forward and backward compute batch statistics over the group.
+        let produce = || match config.dropout_seed {
+            Some(seed) => masks_seeded(seed, || grads(&model, &passes)),
+            None => grads(&model, &passes),
         };
+        let (total, grads) = with_batch_statistics::<B, AB, M, _>(&model, 1.0, produce)?;
         // One global norm serves clipping and the overflow check; every rank sees the same norm
         // (the sharded parts are all-reduced, the whole gradients are equal), so every rank takes
         // the same decision.

@@ -2,10 +2,12 @@
 //! write) trains under DDP, ZeRO-2, ZeRO-3 and hybrid; after training every rank holds the same
 //! running statistics, and they are what the buffer policy says: rank 0's (`Broadcast`, the
 //! default) or the ranks' mean (`Mean`: for the running mean, the statistic of the whole
-//! batch, as one device computes it). ZeRO-3 keeps the statistics whole on every rank.
+//! batch, as one device computes it). ZeRO-3 keeps the statistics whole on every rank. With
+//! `Sync` (SyncBatchNorm), the batch statistics are the whole batch's in every forward, and the
+//! whole trained model equals one device's on the whole batch.
 
 use burn::backend::Flex;
-use burn::module::{AutodiffModule, Module};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d, Relu};
 use burn::optim::AdamWConfig;
@@ -15,7 +17,7 @@ use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
 use kiln_shard::Train;
 use kiln_shard::{
     BufferPolicy, InitSync, ShardConfig, ShardTensor, ShardedOptimizer, StepConfig, Strategy,
-    buffer_paths, shard, step,
+    buffer_paths, gather_model, shard, step,
 };
 use std::sync::Arc;
 
@@ -36,12 +38,16 @@ impl<B: Backend> Net<B> {
     fn new(device: &B::Device) -> Self {
         let pad = PaddingConfig2d::Explicit(1, 1, 1, 1);
         let net = Net {
+            // No bias before a BatchNorm (as ResNets): it cancels, its gradient is rounding
+            // noise, and AdamW would turn that noise into steps of the learning rate.
             stem: Conv2dConfig::new([2, 6], [3, 3])
                 .with_padding(pad.clone())
+                .with_bias(false)
                 .init(device),
             norm1: BatchNormConfig::new(6).init(device),
             conv: Conv2dConfig::new([6, 6], [3, 3])
                 .with_padding(pad)
+                .with_bias(false)
                 .init(device),
             norm2: BatchNormConfig::new(6).init(device),
             head: LinearConfig::new(6, 3).init(device),
@@ -126,6 +132,25 @@ fn statistics(net: &Net<B>) -> Vec<f32> {
     .collect()
 }
 
+/// Every float of the model (parameters and buffers), in visiting order.
+fn everything(net: &Net<B>) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl<B: Backend> ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.extend(
+                p.val()
+                    .into_data()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .unwrap(),
+            );
+        }
+    }
+    let mut c = Collect(Vec::new());
+    net.valid().visit(&mut c);
+    c.0
+}
+
 /// Trains `steps` steps on `world` ranks (each its rows of the global batch): every rank's final
 /// statistics, and whether the statistics were whole tensors on the rank.
 fn train(
@@ -134,6 +159,19 @@ fn train(
     policy: BufferPolicy,
     steps: usize,
 ) -> Vec<(Vec<f32>, bool)> {
+    train_model(world, strategy, policy, steps)
+        .into_iter()
+        .map(|(stats, whole, _)| (stats, whole))
+        .collect()
+}
+
+/// [`train`], with every rank's whole trained model ([`everything`], gathered).
+fn train_model(
+    world: usize,
+    strategy: Strategy,
+    policy: BufferPolicy,
+    steps: usize,
+) -> Vec<(Vec<f32>, bool, Vec<f32>)> {
     spawn_ranks(world, |g: LocalGroup| {
         let group: Arc<dyn ProcessGroup> = Arc::new(g);
         let rank = group.rank();
@@ -163,7 +201,8 @@ fn train(
             .unwrap();
             net = stepped;
         }
-        (statistics(&net), whole)
+        let model = everything(&gather_model(net.clone()));
+        (statistics(&net), whole, model)
     })
 }
 
@@ -259,4 +298,60 @@ fn the_mean_policys_running_mean_is_the_whole_batchs() {
         means(&two[0].0),
         means(&one[0].0)
     );
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn sync_batch_norm_trains_the_model_one_device_trains_on_the_whole_batch() {
+    // One device, 8 rows a step, 3 steps: the reference (Sync on one rank changes nothing).
+    let one = train_model(1, Strategy::Ddp, BufferPolicy::Sync, 3);
+    let (one_stats, one_model) = (&one[0].0, &one[0].2);
+    // Without Sync, each rank normalises by its own rows: the model differs from one device's
+    // (so the comparison below can fail).
+    let mean = train_model(2, Strategy::Ddp, BufferPolicy::Mean, 3);
+    let apart = max_diff(&mean[0].2, one_model);
+    assert!(
+        apart > 1e-4,
+        "per-rank statistics should differ from one device's ({apart})"
+    );
+    eprintln!("mean policy x2: model {apart:.2e} from one device");
+    for strategy in [
+        Strategy::Ddp,
+        Strategy::Zero2,
+        Strategy::Zero3,
+        Strategy::Hybrid { shard_size: 2 },
+    ] {
+        let world = match strategy {
+            Strategy::Hybrid { .. } => 4,
+            _ => 2,
+        };
+        let runs = train_model(world, strategy, BufferPolicy::Sync, 3);
+        for (rank, (stats, whole, model)) in runs.iter().enumerate() {
+            assert!(
+                whole,
+                "{strategy}: rank {rank} holds its statistics sharded"
+            );
+            let d = max_diff(stats, one_stats);
+            assert!(
+                close(stats, one_stats, 1e-5),
+                "{strategy} x{world}: rank {rank}'s running statistics differ from one device's by {d}"
+            );
+            let d = max_diff(model, one_model);
+            assert!(
+                close(model, one_model, 1e-5),
+                "{strategy} x{world}: rank {rank}'s model differs from one device's by {d}"
+            );
+            eprintln!(
+                "{strategy} x{world} rank {rank}: statistics {:.2e}, model {d:.2e} from one device",
+                max_diff(stats, one_stats)
+            );
+        }
+    }
 }

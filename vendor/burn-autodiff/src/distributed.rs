@@ -64,6 +64,63 @@ pub fn hooks<B: Backend>() -> Option<Hooks<B>> {
         .copied()
 }
 
+/// A backend's batch-statistics hooks (added for kiln, see KILN-PATCH.md): a `mean_dim` whose
+/// forward the backend computed over a data-parallel group (SyncBatchNorm's statistics) has its
+/// incoming gradient combined over that group in backward.
+pub struct BatchMean<B: Backend> {
+    /// Called right after `B::float_mean_dim`: `Some(factor)` if the backend averaged over its
+    /// group (and clears that mark), `None` for an ordinary mean.
+    pub take: fn() -> Option<f64>,
+    /// The gradient arriving at such a mean, summed over the group and multiplied by `factor`
+    /// (a collective: every rank of the group calls it, in the same order).
+    pub grad: fn(B::FloatTensorPrimitive, f64) -> B::FloatTensorPrimitive,
+}
+
+impl<B: Backend> Clone for BatchMean<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for BatchMean<B> {}
+
+/// Registers `B`'s batch-statistics hooks. Idempotent.
+pub fn register_batch_mean<B: Backend>(hooks: BatchMean<B>) {
+    registry()
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(TypeId::of::<BatchMean<B>>(), Box::new(hooks));
+}
+
+/// Whether the `mean_dim` `B` just computed was over a group: the factor for its backward.
+pub fn take_synced_mean<B: Backend>() -> Option<f64> {
+    let hooks = registry()
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&TypeId::of::<BatchMean<B>>())
+        .and_then(|h| h.downcast_ref::<BatchMean<B>>())
+        .copied()?;
+    (hooks.take)()
+}
+
+/// The backward of a synced mean's incoming gradient (see [`BatchMean::grad`]).
+///
+/// # Panics
+/// If `B` registered no batch-statistics hooks (it marked the mean synced, so it has).
+pub fn synced_mean_grad<B: Backend>(
+    grad: B::FloatTensorPrimitive,
+    factor: f64,
+) -> B::FloatTensorPrimitive {
+    let hooks = registry()
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&TypeId::of::<BatchMean<B>>())
+        .and_then(|h| h.downcast_ref::<BatchMean<B>>())
+        .copied()
+        .expect("a synced mean's backend registered its batch-statistics hooks");
+    (hooks.grad)(grad, factor)
+}
+
 /// `B`'s hooks, for a graph with parameters marked distributed.
 ///
 /// # Panics

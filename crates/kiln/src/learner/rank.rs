@@ -21,7 +21,7 @@ use kiln_comm::{BufMut, ProcessGroup, ReduceOp};
 use kiln_shard::account::{param_bytes, record_bytes};
 use kiln_shard::{
     ShardError, ShardedOptimizer, StepConfig, Train, autocast, gather_model, no_sync,
-    reduce_gradients, release, remark, scale_grads, step_with,
+    reduce_gradients, release, remark, scale_grads, step_with, with_batch_statistics,
 };
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
@@ -292,21 +292,29 @@ where
                 // gradients reduced over the ranks as the strategy says.
                 let even = share.is_even();
                 let deferred = accumulation.is_some() || !even;
-                let out = if deferred {
-                    let out = no_sync(&model, || {
+                // Ranks with a row more weigh more: the batch's mean, as one device.
+                let weight = match even {
+                    true => 1.0,
+                    false => (share.len() * world) as f64 / share.rows as f64,
+                };
+                // The program's step, with BatchNorm's statistics over the ranks under
+                // BufferPolicy::Sync.
+                let train_step = |item| {
+                    with_batch_statistics::<B, Train<B, C>, _, _>(&model, weight, || {
                         autocast(config.precision, || TrainStep::step(&model, item))
-                    });
+                    })
+                };
+                let out = if deferred {
+                    let out = no_sync(&model, || train_step(item));
                     remark::<B, Train<B, C>, _>(&model);
                     out
                 } else {
-                    autocast(config.precision, || TrainStep::step(&model, item))
+                    train_step(item)
                 };
                 let grads = if even {
                     out.grads
                 } else {
-                    // Ranks with a row more weigh more: the batch's mean, as one device.
-                    let w = (share.len() * world) as f64 / share.rows as f64;
-                    scale_grads::<Train<B, C>, _>(&model, out.grads, w)
+                    scale_grads::<Train<B, C>, _>(&model, out.grads, weight)
                 };
                 let ready = match accumulation {
                     Some(k) => {

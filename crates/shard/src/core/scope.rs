@@ -10,6 +10,7 @@
 //! | sharded creation | `shard` (lazy ZeRO-3 parameters) | the creation ops |
 //! | seeded draws | `masks_seeded` (feature `lowrank`) | LoRA dropout masks |
 //! | models in backward | the gradient hook (strategies) | the gradient hook |
+//! | batch group | the step, for a model with `BufferPolicy::Sync` | `BatchNorm`'s statistics ([`crate::core::ops`]'s `batch`) |
 //!
 //! Everything but the allocation tag lives in one thread-local. The tag has a thread-local of
 //! its own because the global allocator reads it on every allocation: a thread-local with a
@@ -280,6 +281,7 @@ pub struct Scope {
     creation: RefCell<Option<Creation>>,
     draws: Cell<Option<(u64, u64)>>,
     backward: RefCell<Vec<(u64, AnyArc)>>,
+    batch: RefCell<Option<BatchGroup>>,
 }
 
 impl Scope {
@@ -291,6 +293,7 @@ impl Scope {
             creation: RefCell::new(None),
             draws: Cell::new(None),
             backward: RefCell::new(Vec::new()),
+            batch: RefCell::new(None),
         }
     }
 }
@@ -312,6 +315,8 @@ pub enum Set {
     Creation(Option<Creation>),
     /// Seeded draws: (seed, draws so far), or the backend's generator.
     Draws(Option<(u64, u64)>),
+    /// The group batch statistics are computed over (SyncBatchNorm), or none.
+    BatchGroup(Option<BatchGroup>),
 }
 
 impl Set {
@@ -330,6 +335,7 @@ impl Set {
             Set::Recorder(r) => Set::Recorder(SCOPE.with(|s| s.recorder.replace(r))),
             Set::Creation(c) => Set::Creation(SCOPE.with(|s| s.creation.replace(c))),
             Set::Draws(d) => Set::Draws(SCOPE.with(|s| s.draws.replace(d))),
+            Set::BatchGroup(g) => Set::BatchGroup(SCOPE.with(|s| s.batch.replace(g))),
         }
     }
 }
@@ -382,6 +388,27 @@ pub fn next_draw() -> Option<(u64, u64)> {
         s.draws.set(Some((seed, i + 1)));
         Some((seed, i))
     })
+}
+
+/// The group `BatchNorm`'s statistics are computed over (SyncBatchNorm), with this rank's
+/// weight on its gradients (1 when every rank has as many rows; a program that weighs a rank
+/// with more rows more, as the Learner strategy does, says by how much).
+#[derive(Debug, Clone)]
+pub struct BatchGroup {
+    /// The data-parallel ranks.
+    pub group: Arc<dyn ProcessGroup>,
+    /// The factor this rank's gradients are multiplied by before they are averaged.
+    pub weight: f64,
+}
+
+/// The group batch statistics are computed over, if any.
+pub fn batch_group() -> Option<BatchGroup> {
+    SCOPE.with(|s| s.batch.borrow().clone())
+}
+
+/// Whether batch statistics are computed over a group on this thread.
+pub fn has_batch_group() -> bool {
+    SCOPE.with(|s| s.batch.borrow().is_some())
 }
 
 /// Replaces the list of models whose gradients this thread's backward reduces.

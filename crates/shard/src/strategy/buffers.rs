@@ -8,6 +8,8 @@
 //! - After every optimizer step ([`ShardedOptimizer`](crate::ShardedOptimizer)), the ranks'
 //!   buffers are made equal by the model's [`BufferPolicy`]: rank 0's (PyTorch DDP's
 //!   `broadcast_buffers`, the default), or the ranks' mean; `Local` leaves each rank its own.
+//!   `Sync` (SyncBatchNorm) computes `BatchNorm`'s batch statistics over all the ranks' rows
+//!   during the forward pass (`core::ops::batch`), so every rank's are the whole batch's.
 //!   Doing it after the step (rather than before the next forward, as DDP does) means the
 //!   ranks agree at every point between steps: validation, snapshots, `gather_model`, exports.
 //! - A model stepped by a plain Burn optimizer calls [`sync_buffers`] itself.
@@ -242,7 +244,9 @@ fn collective(
     policy: BufferPolicy,
 ) -> Result<(), ShardError> {
     waiting(|| match policy {
-        BufferPolicy::Broadcast => group.broadcast(values.buf_mut(), 0),
+        // Under Sync the statistics are already equal (computed from the same group sums);
+        // rank 0's make them bitwise so and cover a model's own buffers.
+        BufferPolicy::Broadcast | BufferPolicy::Sync => group.broadcast(values.buf_mut(), 0),
         BufferPolicy::Mean => group.all_reduce(values.buf_mut(), ReduceOp::Avg),
         BufferPolicy::Local => Ok(()),
     })?;

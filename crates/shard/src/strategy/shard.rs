@@ -2,7 +2,7 @@
 //! gradient-sync marks (`remark`, `backward`, `no_sync`, `reduce_gradients`, `release`).
 
 use super::buffers::Where;
-use super::config::{InitSync, ShardConfig, Strategy, buckets};
+use super::config::{BufferPolicy, InitSync, ShardConfig, Strategy, buckets};
 use super::params::{Path, mark_of, replace_primitive};
 use super::prefetch::{Prefetcher, track};
 use super::reduce::reduce;
@@ -126,6 +126,13 @@ where
     // kiln's burn-autodiff hands final gradients to the hooks a backend registered.
     #[cfg(burn_autodiff_hooks)]
     burn_autodiff::distributed::register_distributed::<Shard<B>>();
+    #[cfg(burn_autodiff_hooks)]
+    burn_autodiff::distributed::register_batch_mean::<Shard<B>>(
+        burn_autodiff::distributed::BatchMean {
+            take: crate::core::ops::batch::take_synced,
+            grad: crate::core::ops::batch::synced_grad::<B>,
+        },
+    );
     if let Strategy::Hybrid { shard_size } = config.strategy
         && (shard_group.world_size() != shard_size || replicate_group.is_none())
     {
@@ -169,12 +176,20 @@ where
     let prefetch = queue
         .as_ref()
         .map(|q| Prefetcher::new(q.clone(), config.prefetch_bytes));
+    let batch_group = match config.buffers == BufferPolicy::Sync && over_ranks {
+        true => {
+            let all: Vec<usize> = (0..group.world_size()).collect();
+            Some(group.split(&all, "batch-statistics")?)
+        }
+        false => None,
+    };
     let state = Arc::new(ModelState {
         seq: next_seq(),
         world_rank: group.rank(),
         dp_group: group.clone(),
         shard_group: shard_group.clone(),
         replicate_group,
+        batch_group,
         config,
         dynamic: Mutex::new(Dynamic::default()),
         queue,
@@ -411,6 +426,49 @@ impl<B: Backend> Marks<B> {
             .filter(|(_, m)| Arc::ptr_eq(m, model))
             .map(|(mark, _)| *mark)
     }
+}
+
+/// Runs `f`, a forward and backward pass of `module`, with `BatchNorm`'s batch statistics
+/// computed over the model's data-parallel ranks when it was sharded with
+/// `BufferPolicy::Sync` (on more than one rank); otherwise just runs it. `weight`: the factor
+/// this rank's gradients are multiplied by before they are averaged over the ranks (1 when
+/// every rank has as many rows). [`step`](crate::step()) does this itself.
+pub fn with_batch_statistics<B, AB, M, R>(module: &M, weight: f64, f: impl FnOnce() -> R) -> R
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: Module<AB>,
+{
+    match batch_group::<B, AB, M>(module) {
+        Some(group) => scope::with(
+            scope::Set::BatchGroup(Some(scope::BatchGroup { group, weight })),
+            f,
+        ),
+        None => f(),
+    }
+}
+
+/// The group `BatchNorm`'s statistics are computed over during `module`'s steps
+/// (`BufferPolicy::Sync` on more than one rank), if any: the first sharded model's found.
+fn batch_group<B, AB, M>(module: &M) -> Option<Arc<dyn ProcessGroup>>
+where
+    B: Backend,
+    AB: AutodiffBackend<InnerBackend = Shard<B>>,
+    M: Module<AB>,
+{
+    struct Find<B: Backend> {
+        model: Option<Arc<ModelState<B>>>,
+    }
+    impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Find<B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+            if self.model.is_none() && p.is_initialized() {
+                self.model = mark_of(&p.val()).and_then(|id| model_of::<B>(id).map(|(m, _)| m));
+            }
+        }
+    }
+    let mut find = Find::<B> { model: None };
+    module.visit(&mut find);
+    find.model.and_then(|m| m.batch_group.clone())
 }
 
 /// Marks every parameter of `module` with the gradient-sync id in `marks` (after Burn's

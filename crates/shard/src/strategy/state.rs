@@ -44,6 +44,9 @@ pub(crate) struct ModelState<B: Backend> {
     pub dp_group: Arc<dyn ProcessGroup>,
     pub shard_group: Arc<dyn ProcessGroup>,
     pub replicate_group: Option<Arc<dyn ProcessGroup>>,
+    /// Under `BufferPolicy::Sync` on more than one rank: the group (a split of `dp_group`) that
+    /// `BatchNorm`'s statistics are computed over during the model's steps.
+    pub batch_group: Option<Arc<dyn ProcessGroup>>,
     pub config: ShardConfig,
     pub dynamic: Mutex<Dynamic<B>>,
     /// The communication thread (over a sub-group of `shard_group`), with `config.overlap`

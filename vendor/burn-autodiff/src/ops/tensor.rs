@@ -1957,7 +1957,8 @@ impl<B: Backend, C: CheckpointStrategy> FloatTensorOps<Self> for Autodiff<B, C> 
         struct MeanDim;
 
         impl<B: Backend> Backward<B, 1> for MeanDim {
-            type State = (Shape, usize);
+            // kiln: the factor of a mean the backend computed over a group (KILN-PATCH.md).
+            type State = (Shape, usize, Option<f64>);
 
             fn backward(
                 self,
@@ -1965,9 +1966,16 @@ impl<B: Backend, C: CheckpointStrategy> FloatTensorOps<Self> for Autodiff<B, C> 
                 grads: &mut Gradients,
                 _checkpointer: &mut Checkpointer,
             ) {
-                let (shape, dim) = ops.state;
+                let (shape, dim, synced) = ops.state;
 
                 unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+                    #[cfg(feature = "distributed")]
+                    let grad = match synced {
+                        Some(factor) => crate::distributed::synced_mean_grad::<B>(grad, factor),
+                        None => grad,
+                    };
+                    #[cfg(not(feature = "distributed"))]
+                    let _ = synced;
                     let val = 1_f64 / shape[dim] as f64;
                     let ones = B::float_ones(shape, &B::float_device(&grad), grad.dtype().into());
                     let val = B::float_mul_scalar(ones, val.into());
@@ -1978,16 +1986,19 @@ impl<B: Backend, C: CheckpointStrategy> FloatTensorOps<Self> for Autodiff<B, C> 
             }
         }
 
+        let shape = tensor.primitive.shape();
+        let out = B::float_mean_dim(tensor.primitive, dim);
+        #[cfg(feature = "distributed")]
+        let synced = crate::distributed::take_synced_mean::<B>();
+        #[cfg(not(feature = "distributed"))]
+        let synced = None;
         match MeanDim
             .prepare::<C>([tensor.node])
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(
-                (tensor.primitive.shape(), dim),
-                B::float_mean_dim(tensor.primitive, dim),
-            ),
-            OpsKind::UnTracked(prep) => prep.finish(B::float_mean_dim(tensor.primitive, dim)),
+            OpsKind::Tracked(prep) => prep.finish((shape, dim, synced), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 

@@ -135,7 +135,10 @@ pub(crate) fn float_reshape<B: Backend>(
     tensor: FloatTensor<Shard<B>>,
     shape: Shape,
 ) -> FloatTensor<Shard<B>> {
-    view(tensor, ViewOp::Reshape(shape))
+    let (before, input) = (super::batch::seen(), tensor.shape());
+    let out = view(tensor, ViewOp::Reshape(shape));
+    super::batch::on_reshape(before, &input, &out.shape());
+    out
 }
 
 pub(crate) fn float_swap_dims<B: Backend>(
@@ -143,7 +146,9 @@ pub(crate) fn float_swap_dims<B: Backend>(
     dim1: usize,
     dim2: usize,
 ) -> FloatTensor<Shard<B>> {
-    view(tensor, ViewOp::SwapDims(dim1, dim2))
+    let out = view(tensor, ViewOp::SwapDims(dim1, dim2));
+    super::batch::on_swap(&out.shape(), dim1, dim2);
+    out
 }
 
 pub(crate) fn float_transpose<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
@@ -226,6 +231,20 @@ pub(crate) fn float_mean<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTens
             ShardTensor::Local(B::float_div_scalar(sum, (n as f64).into()))
         }
         t => ShardTensor::Local(B::float_mean(local(t))),
+    }
+}
+
+/// A mean along `dim`: over the data-parallel group when it is `BatchNorm`'s statistic under
+/// `BufferPolicy::Sync` (see `batch.rs`).
+pub(crate) fn float_mean_dim<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    dim: usize,
+) -> FloatTensor<Shard<B>> {
+    match super::batch::mean_dim::<B>(tensor, dim) {
+        Ok(mean) => mean,
+        Err(tensor) => record(vec![tensor], move |t| {
+            B::float_mean_dim(t.into_iter().next().expect("input"), dim)
+        }),
     }
 }
 

@@ -385,10 +385,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         custom::float_mean::<B>(tensor)
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_mean_dim(t.next().expect("input"), dim.clone())
-        })
+        custom::float_mean_dim::<B>(tensor, dim)
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         record(vec![tensor], move |t| {

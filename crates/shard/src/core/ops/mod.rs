@@ -5,9 +5,11 @@
 //! backend, float tensors going through the policies of `policy.rs` (shard-local for
 //! elementwise ops, gather-then-compute for the rest, whole-tensor ops through the scope's
 //! recorder). `custom.rs` holds the exceptions (creation, reading, whole-tensor reductions, ops
-//! that need only a shape, `linear` and its gradients, the transaction).
+//! that need only a shape, `linear` and its gradients, the transaction). `batch.rs` computes
+//! `BatchNorm`'s statistics over the data-parallel group (SyncBatchNorm).
 
 mod activation;
+pub(crate) mod batch;
 mod bool;
 pub(crate) mod custom;
 pub(crate) mod fast;

@@ -148,6 +148,7 @@ fn run<B: Backend>(
     inputs: Vec<ShardTensor<B>>,
     op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
 ) -> ShardTensor<B> {
+    super::batch::reset();
     match recorder::<B>() {
         Some(r) => r.record(cost, inputs, Arc::new(op)),
         None => ShardTensor::Local(op(inputs.into_iter().map(local).collect())),
