@@ -14,7 +14,7 @@ use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
 use burn::prelude::*;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
@@ -25,7 +25,7 @@ use burn::train::{
     TrainingStrategy,
 };
 use kiln::learner::{KilnStrategy, Share, Split};
-use kiln::shard::Strategy;
+use kiln::shard::{BufferPolicy, Strategy};
 use kiln::{ParallelPlan, Train};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -35,6 +35,8 @@ use std::sync::Arc;
 #[derive(Module, Debug)]
 struct Mlp<B: Backend> {
     up: Linear<B>,
+    /// In the SyncBatchNorm check only.
+    norm: Option<BatchNorm<B>>,
     act: Relu,
     down: Linear<B>,
 }
@@ -59,15 +61,23 @@ impl<B: Backend> Split for Batch<B> {
 }
 
 impl<B: Backend> Mlp<B> {
-    fn new(device: &B::Device) -> Self {
+    fn new(device: &B::Device, norm: bool) -> Self {
         Mlp {
-            up: LinearConfig::new(4, 16).init(device),
+            // No bias before a BatchNorm: it cancels, and AdamW would step on its gradient's
+            // rounding noise.
+            up: LinearConfig::new(4, 16).with_bias(!norm).init(device),
+            norm: norm.then(|| BatchNormConfig::new(16).init(device)),
             act: Relu,
             down: LinearConfig::new(16, 3).init(device),
         }
     }
     fn forward(&self, b: Batch<B>) -> ClassificationOutput<B> {
-        let output = self.down.forward(self.act.forward(self.up.forward(b.x)));
+        let h = self.up.forward(b.x);
+        let h = match &self.norm {
+            Some(norm) => norm.forward(h),
+            None => h,
+        };
+        let output = self.down.forward(self.act.forward(h));
         let loss = CrossEntropyLossConfig::new()
             .init(&output.device())
             .forward(output.clone(), b.y.clone());
@@ -153,6 +163,21 @@ fn program_with<B: AutodiffBackend>(
 where
     Batch<B>: Send,
 {
+    program_norm(dir, epochs, resume, strategy, valid_batch, false)
+}
+
+/// The program, with a BatchNorm after the first layer when `norm`.
+fn program_norm<B: AutodiffBackend>(
+    dir: &Path,
+    epochs: usize,
+    resume: Option<usize>,
+    strategy: Option<TrainingStrategy<Components<B>>>,
+    valid_batch: usize,
+    norm: bool,
+) -> Mlp<B::InnerBackend>
+where
+    Batch<B>: Send,
+{
     let device = B::Device::default();
     B::seed(&device, 7);
     // 23 items in batches of 8: a last batch of 7, which 2 ranks split 4 + 3.
@@ -175,7 +200,7 @@ where
     if let Some(strategy) = strategy {
         training = training.with_training_strategy(strategy);
     }
-    let model = Mlp::<B>::new(&device);
+    let model = Mlp::<B>::new(&device, norm);
     let optim = AdamWConfig::new().with_weight_decay(1e-2).init();
     training.launch(Learner::new(model, optim, 1e-2)).model
 }
@@ -297,6 +322,46 @@ fn ranks_as_threads_equal_one_rank_under_every_strategy() {
                 1e-5,
             );
         }
+        assert_close(
+            &format!("{what}, weights"),
+            &weights(&model),
+            &weights(&reference),
+            1e-5,
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
+fn sync_batch_norm_ranks_equal_one_rank_also_with_uneven_batches() {
+    // A BatchNorm after the first layer; 23 items in batches of 8 (the last, 7, splits 4 + 3
+    // over 2 ranks and 2 + 2 + 2 + 1 over 4): with BufferPolicy::Sync the ranks' statistics,
+    // gradients and running statistics are one device's.
+    let one = fresh("sync-ref");
+    let reference = program_norm::<K>(&one, 2, None, Some(kiln(1, Strategy::Ddp)), 5, true);
+    for (ranks, strategy) in [
+        (2, Strategy::Zero3),
+        (4, Strategy::Hybrid { shard_size: 2 }),
+    ] {
+        let dir = fresh(&format!("sync-{strategy:?}-{ranks}"));
+        let mut plan = ParallelPlan::new(strategy);
+        plan.shard = plan.shard.with_buffers(BufferPolicy::Sync);
+        let sync = TrainingStrategy::Custom(Arc::new(
+            KilnStrategy::<Flex>::threads(ranks, plan).expect("a valid plan"),
+        ));
+        let model = program_norm::<K>(&dir, 2, None, Some(sync), 5, true);
+        let what = format!("sync BatchNorm, {strategy:?} x{ranks} vs 1 rank");
+        for epoch in 1..=2 {
+            for split in ["train", "valid"] {
+                assert_close(
+                    &format!("{what}, {split} losses, epoch {epoch}"),
+                    &logged(&dir, split, epoch),
+                    &logged(&one, split, epoch),
+                    1e-5,
+                );
+            }
+        }
+        // Parameters and running statistics.
         assert_close(
             &format!("{what}, weights"),
             &weights(&model),
