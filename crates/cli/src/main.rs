@@ -10,6 +10,8 @@
 //! A command's output goes to stdout, errors and the libraries' `tracing` diagnostics to stderr
 //! (filter: `KILN_LOG`, else `RUST_LOG`, else kiln's crates at `info`).
 
+#[cfg(test)]
+mod doc_commands;
 mod hang;
 mod launch;
 mod launch_args;
