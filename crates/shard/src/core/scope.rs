@@ -10,7 +10,7 @@
 //! | sharded creation | `shard` (lazy ZeRO-3 parameters) | the creation ops |
 //! | seeded draws | `masks_seeded` (feature `lowrank`) | LoRA dropout masks |
 //! | models in backward | the gradient hook (strategies) | the gradient hook |
-//! | batch group | the step, for a model with `BufferPolicy::Sync` | `BatchNorm`'s statistics ([`crate::core::ops`]'s `batch`) |
+//! | batch group, the statistic's pattern seen, a synced mean's mark | the step, for a model with `BufferPolicy::Sync`; the ops | `BatchNorm`'s statistics (`core::ops::batch`), kiln's burn-autodiff |
 //!
 //! Everything but the allocation tag lives in one thread-local. The tag has a thread-local of
 //! its own because the global allocator reads it on every allocation: a thread-local with a
@@ -282,6 +282,8 @@ pub struct Scope {
     draws: Cell<Option<(u64, u64)>>,
     backward: RefCell<Vec<(u64, AnyArc)>>,
     batch: RefCell<Option<BatchGroup>>,
+    batch_pattern: RefCell<BatchPattern>,
+    batch_mean: Cell<Option<f64>>,
 }
 
 impl Scope {
@@ -294,6 +296,8 @@ impl Scope {
             draws: Cell::new(None),
             backward: RefCell::new(Vec::new()),
             batch: RefCell::new(None),
+            batch_pattern: RefCell::new(BatchPattern::Nothing),
+            batch_mean: Cell::new(None),
         }
     }
 }
@@ -399,6 +403,38 @@ pub struct BatchGroup {
     pub group: Arc<dyn ProcessGroup>,
     /// The factor this rank's gradients are multiplied by before they are averaged.
     pub weight: f64,
+}
+
+/// How far `BatchNorm`'s statistic (`swap_dims(0, 1)`, `reshape`, `mean_dim(1)`) has got on
+/// this thread, while a batch group is set (`core::ops::batch`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum BatchPattern {
+    /// Nothing of it.
+    Nothing,
+    /// `swap_dims(0, 1)` gave a tensor of this shape.
+    Swapped(Vec<usize>),
+    /// ... which was reshaped to `[channels, rest]`.
+    Flat([usize; 2]),
+}
+
+/// The pattern seen so far.
+pub fn batch_pattern() -> BatchPattern {
+    SCOPE.with(|s| s.batch_pattern.borrow().clone())
+}
+
+/// Replaces the pattern seen so far, returning the one before.
+pub fn set_batch_pattern(pattern: BatchPattern) -> BatchPattern {
+    SCOPE.with(|s| s.batch_pattern.replace(pattern))
+}
+
+/// Marks the mean just computed as taken over the batch group, with its backward factor.
+pub fn set_batch_mean(factor: f64) {
+    SCOPE.with(|s| s.batch_mean.set(Some(factor)));
+}
+
+/// Takes that mark (none after).
+pub fn take_batch_mean() -> Option<f64> {
+    SCOPE.with(|s| s.batch_mean.take())
 }
 
 /// The group batch statistics are computed over, if any.

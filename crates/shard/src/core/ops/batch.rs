@@ -24,31 +24,15 @@
 use crate::core::backend::Shard;
 use crate::core::host::{collective_failed, read, write};
 use crate::core::scope;
+use crate::core::scope::BatchPattern as Seen;
 use crate::core::tensor::ShardTensor;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorData, TensorMetadata};
 use burn_std::Shape;
 use kiln_comm::{BufMut, ReduceOp};
-use std::cell::{Cell, RefCell};
-
-/// How far the pattern has got on this thread.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Seen {
-    Nothing,
-    /// `swap_dims(0, 1)` gave a tensor of this shape.
-    Swapped(Vec<usize>),
-    /// ... which was reshaped to `[channels, rest]`.
-    Flat([usize; 2]),
-}
-
-thread_local! {
-    static SEEN: RefCell<Seen> = const { RefCell::new(Seen::Nothing) };
-    /// The factor of the mean just computed over the group, for autodiff to take.
-    static TOOK: Cell<Option<f64>> = const { Cell::new(None) };
-}
 
 fn set(seen: Seen) {
-    SEEN.with(|s| *s.borrow_mut() = seen);
+    scope::set_batch_pattern(seen);
 }
 
 /// Called by every op the pattern does not continue: forgets what was seen.
@@ -72,7 +56,7 @@ pub(crate) fn on_swap(out: &Shape, dim1: usize, dim2: usize) {
 
 /// What was seen before an op (which may itself reset it), for [`on_reshape`].
 pub(crate) fn seen() -> Option<Seen> {
-    scope::has_batch_group().then(|| SEEN.with(|s| s.borrow().clone()))
+    scope::has_batch_group().then(scope::batch_pattern)
 }
 
 /// `reshape` of a tensor of shape `input` to `out`, `before` it [`seen`].
@@ -100,10 +84,13 @@ pub(crate) fn mean_dim<B: Backend>(
     tensor: FloatTensor<Shard<B>>,
     dim: usize,
 ) -> Result<FloatTensor<Shard<B>>, FloatTensor<Shard<B>>> {
+    // The mark autodiff takes after this op says whether this one was synced (a mark left by
+    // a mean computed without autodiff must not be taken for it).
+    scope::take_batch_mean();
     let Some(scope::BatchGroup { group, .. }) = scope::batch_group() else {
         return Err(tensor);
     };
-    let seen = SEEN.with(|s| std::mem::replace(&mut *s.borrow_mut(), Seen::Nothing));
+    let seen = scope::set_batch_pattern(Seen::Nothing);
     let shape = tensor.shape();
     match seen {
         Seen::Flat(flat) if dim == 1 && shape.as_slice() == flat => {}
@@ -126,7 +113,7 @@ pub(crate) fn mean_dim<B: Backend>(
     .unwrap_or_else(|e| collective_failed("average batch statistics of", &shape, &*group, e));
     let total = count[0] as f64;
     let means: Vec<f32> = sums.iter().map(|&s| (s as f64 / total) as f32).collect();
-    TOOK.with(|t| t.set(Some(rows as f64 / total)));
+    scope::set_batch_mean(rows as f64 / total);
     let data = TensorData::new(means, [channels, 1]);
     Ok(ShardTensor::Local(write::<B>(data, &device, dtype)))
 }
@@ -134,7 +121,7 @@ pub(crate) fn mean_dim<B: Backend>(
 /// Whether the `mean_dim` just computed was over the batch group, and its backward factor
 /// (`rows here / rows in the group`). Clears the mark. For kiln's burn-autodiff.
 pub fn take_synced() -> Option<f64> {
-    TOOK.with(|t| t.take())
+    scope::take_batch_mean()
 }
 
 /// The gradient arriving at a synced mean, summed over the batch group and multiplied by
