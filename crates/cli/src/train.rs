@@ -66,6 +66,10 @@ pub struct TrainArgs {
     /// output.snapshot_every
     #[arg(long)]
     snapshot_every: Option<usize>,
+    /// output.memory_snapshot_every: also a snapshot in this machine's memory every this many
+    /// steps, so a restart recomputes at most that many.
+    #[arg(long)]
+    memory_snapshot_every: Option<usize>,
     /// Continue from the newest snapshot in the output directory (any world size or strategy).
     #[arg(long)]
     resume: bool,
@@ -115,6 +119,10 @@ impl TrainArgs {
         put(
             "output.snapshot_every",
             self.snapshot_every.map(|v| v.to_string()),
+        );
+        put(
+            "output.memory_snapshot_every",
+            self.memory_snapshot_every.map(|v| v.to_string()),
         );
         o.extend(self.set.iter().cloned());
         o
@@ -323,7 +331,7 @@ fn run_options(recipe: &Recipe, args: &TrainArgs, restart: usize) -> Result<RunO
         });
     }
     let snapshots = recipe.output.dir.join("snapshots");
-    let latest = kiln_train::snapshot::latest(&snapshots)?;
+    let latest = kiln_train::memory::newest_snapshot(recipe)?;
     if args.resume && latest.is_none() {
         bail!(
             "--resume: there is no complete snapshot in {} (restart {restart} of the job)",

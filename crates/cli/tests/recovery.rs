@@ -6,6 +6,9 @@
 //!   the latest snapshot, at most a snapshot interval recomputed per failure, the final
 //!   validation loss bitwise that of the uninterrupted job;
 //! - a crash while the first snapshot is written: restarted from step 0;
+//! - with snapshots in memory every k steps (`--memory-snapshot-every`): a rank killed long
+//!   before the first disk snapshot is restarted from memory, at most 2k steps recomputed,
+//!   bitwise equal to the uninterrupted job;
 //! - restarts that run out: the launcher exits with the failure;
 //! - across two network namespaces (root and `ip` needed; SKIPPED otherwise, saying why): a
 //!   link taken down and up again (both nodes restart, bitwise equal), and a node lost for
@@ -118,6 +121,66 @@ fn a_killed_and_a_stopped_rank_restart_the_job_which_ends_as_if_uninterrupted() 
         val_loss(&run),
         val_loss(&reference)
     );
+}
+
+#[test]
+fn a_crash_restarts_from_the_snapshot_in_memory_recomputing_at_most_its_interval() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Disk snapshots every 200 steps, memory ones every 3.
+    let (steps, every, in_memory) = (400, 200, 3);
+    let reference = tmp.path().join("reference");
+    common::run_ok(common::launch(
+        2,
+        train_args(&reference, "zero3", steps, every),
+    ));
+    let run = tmp.path().join("run");
+    let memory = tmp.path().join("memory");
+    let memory_step = || {
+        let name = std::fs::read_to_string(memory.join("latest")).ok()?;
+        name.trim().strip_prefix("step-")?.parse::<usize>().ok()
+    };
+    let sum = tmp.path().join("summary.json");
+    let mut args = train_args(&run, "zero3", steps, every);
+    args.extend(["--memory-snapshot-every".into(), in_memory.to_string()]);
+    let launcher = launch_with_restarts(2, &sum, &args)
+        .env("KILN_MEMORY_SNAPSHOTS", &memory)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = launcher.id();
+    wait_until("a snapshot in memory", Duration::from_secs(60), || {
+        memory_step().is_some_and(|s| s >= 2 * in_memory)
+    });
+    let ranks = children(pid);
+    assert_eq!(ranks.len(), 2);
+    signal(ranks[1], libc::SIGKILL);
+    let on_disk = latest_step(&run);
+    let out = output_within(launcher, Duration::from_secs(90));
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("rank 1 was killed by signal 9"), "{t}");
+    for line in t.lines().filter(|l| l.starts_with("[kiln launch]")) {
+        println!("{line}");
+    }
+    println!("on disk when killed: {on_disk:?}");
+    let s = summary(&sum);
+    check_restarts(&s, 1, in_memory as u64);
+    let resumed = s["restarts"][0]["resumed_from"].as_u64().unwrap();
+    if on_disk.is_none() {
+        // Nothing on disk when the rank died: the restart came from memory.
+        assert!(resumed > 0, "resumed from step 0 with snapshots in memory: {s:#}");
+    }
+    assert_eq!(latest_step(&run), Some(steps));
+    assert_eq!(
+        val_loss(&run).to_bits(),
+        val_loss(&reference).to_bits(),
+        "restarted {} vs uninterrupted {}",
+        val_loss(&run),
+        val_loss(&reference)
+    );
+    // A finished run gives the memory back.
+    assert!(!memory.exists(), "{} is still there", memory.display());
 }
 
 /// Waits for `child` to end, with its output; kills it after `limit` (a hang is a failure).

@@ -25,6 +25,7 @@ pub mod data;
 mod error;
 mod eval;
 mod export;
+pub mod memory;
 pub mod init;
 pub mod metrics;
 mod pipelined;

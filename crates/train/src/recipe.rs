@@ -422,6 +422,12 @@ pub struct OutputRecipe {
     pub snapshot_every: usize,
     /// Snapshots kept (the oldest are deleted once a newer one is complete).
     pub keep: usize,
+    /// Also a snapshot in this machine's memory (`/dev/shm`) every this many steps (0: none):
+    /// it outlives the ranks' processes, so a restart after a crash (`kiln launch
+    /// --max-restarts`, or `--resume`) recomputes at most this many steps instead of a disk
+    /// snapshot interval. Only the newest is kept; every rank must be on this machine.
+    #[serde(default)]
+    pub memory_snapshot_every: usize,
     /// Progress lines when stdout is not a terminal: this many over the run.
     pub progress_lines: usize,
 }
@@ -432,6 +438,7 @@ impl Default for OutputRecipe {
             dir: PathBuf::from("runs/kiln"),
             snapshot_every: 100,
             keep: 2,
+            memory_snapshot_every: 0,
             progress_lines: 20,
         }
     }

@@ -1,7 +1,6 @@
 //! A model's and its optimizer's state as snapshot pieces: what every rank writes of what it
 //! holds, and what it reads back for the layout it runs (another world size or strategy).
 
-use crate::Recipe;
 use crate::error::{Result, TrainError};
 use crate::snapshot::{self, Meta, Part, Snapshot};
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -15,7 +14,7 @@ use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, shard_range};
 use kiln_shard::pieces::{self, held_range};
 use kiln_shard::{Shard, ShardTensor, ShardedOptimizer, Train, optimizer_state_group};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 const TENSOR_PREFIX: &str = "model/";
@@ -46,6 +45,8 @@ fn part_of<B: Backend>(name: String, t: &ShardTensor<B>, world: usize, rank: usi
 /// Writes a snapshot: every rank its part of what it holds. `dp` is the group of ranks that
 /// hold the same parameters (the world, or a pipeline stage's data-parallel ranks); a stage
 /// writes neither the placeholders of other stages' parameters nor its copies of shared ones.
+/// `(root, keep)`: where (the run's `snapshots/`, or its memory snapshots) and how many
+/// snapshots stay there.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn save<B, C, M>(
     model: &M,
@@ -54,7 +55,7 @@ pub(crate) fn save<B, C, M>(
     group: &dyn ProcessGroup,
     dp: &dyn ProcessGroup,
     pipe: Option<&kiln_pipe::Pipeline>,
-    recipe: &Recipe,
+    (root, keep): (&Path, usize),
 ) -> Result<PathBuf>
 where
     B: Backend,
@@ -90,13 +91,7 @@ where
         parts.push(part_of(format!("{M1_PREFIX}{path}"), &m1, world, rank));
         parts.push(part_of(format!("{M2_PREFIX}{path}"), &m2, world, rank));
     }
-    snapshot::save(
-        &recipe.output.dir.join("snapshots"),
-        meta,
-        parts,
-        group,
-        recipe.output.keep,
-    )
+    snapshot::save(root, meta, parts, group, keep)
 }
 
 pub(crate) type Record<B, C> = HashMap<ParamId, AdaptorRecord<AdamW, Train<B, C>>>;

@@ -15,6 +15,7 @@ use crate::Recipe;
 use crate::data::{Corpus, SplitMix64, batch, mix};
 use crate::error::{IoContext, Result, TrainError, fail};
 use crate::eval::{NextLogits, all_mean, evaluate, sample_text, tensors, validation_batches};
+use crate::memory;
 use crate::metrics::Metrics;
 use crate::pipelined::{pipe_evaluate, pipe_last_logits, pipe_step};
 use crate::recipe::TokenizerSource;
@@ -337,9 +338,12 @@ where
                 self.done.val_loss = self.validate(step)?;
                 self.done.evaluated_at = Some(step);
             }
-            let every = self.recipe.output.snapshot_every;
+            let output = &self.recipe.output;
+            let (every, in_memory) = (output.snapshot_every, output.memory_snapshot_every);
             if every > 0 && step.is_multiple_of(every) || step == self.last_step {
-                self.snapshot(step)?;
+                self.snapshot(step, false)?;
+            } else if in_memory > 0 && step.is_multiple_of(in_memory) {
+                self.snapshot(step, true)?;
             }
         }
         self.finish()
@@ -528,9 +532,14 @@ where
         }
     }
 
-    /// A snapshot of `step`: every rank writes its part of what it holds.
-    fn snapshot(&mut self, step: usize) -> Result<()> {
+    /// A snapshot of `step`: every rank writes its part of what it holds, to the run's
+    /// `snapshots/` or (`in_memory`) to this machine's memory, where only the newest stays.
+    fn snapshot(&mut self, step: usize, in_memory: bool) -> Result<()> {
         let recipe = self.recipe;
+        let (root, keep) = match in_memory {
+            true => (memory::root(&recipe.output.dir), 1),
+            false => (recipe.output.dir.join("snapshots"), recipe.output.keep),
+        };
         let meta = Meta {
             step,
             model_kind: self.config.kind().name().into(),
@@ -549,10 +558,12 @@ where
             self.mesh.world.as_ref(),
             self.mesh.dp.as_ref(),
             self.pipe.as_ref(),
-            recipe,
+            (&root, keep),
         )?;
-        self.report(Event::Saved { step, dir: &dir });
-        self.done.last_snapshot = Some(dir);
+        if !in_memory {
+            self.report(Event::Saved { step, dir: &dir });
+            self.done.last_snapshot = Some(dir);
+        }
         Ok(())
     }
 
@@ -564,6 +575,16 @@ where
         // The last snapshot complete (written asynchronously where the caller chose so) before the
         // summary names it.
         snapshot::flush()?;
+        // A finished run's memory snapshots are older than its last disk snapshot: the memory
+        // goes back (once every rank's writes are done).
+        if self.recipe.output.memory_snapshot_every > 0 && last_step == t.steps {
+            self.mesh.world.barrier()?;
+            if self.mesh.world.rank() == 0 {
+                let memory = memory::root(&self.recipe.output.dir);
+                std::fs::remove_dir_all(&memory)
+                    .io(|| format!("cannot remove {}", memory.display()))?;
+            }
+        }
         if self.done.evaluated_at != Some(last_step) {
             self.done.val_loss = self.validate_quietly()?;
         }
@@ -729,7 +750,8 @@ where
 }
 
 /// The run directory: made (or cleared) by rank 0 while the others wait, checked visible to
-/// every rank; the snapshot to resume, when resuming (of the same model).
+/// every rank; the snapshot to resume, when resuming (of the same model): the newest of the
+/// disk's and (with `output.memory_snapshot_every`) the memory's.
 fn prepare_dir(
     recipe: &Recipe,
     config: &ModelConfig,
@@ -738,7 +760,10 @@ fn prepare_dir(
 ) -> Result<Option<Snapshot>> {
     let out = &recipe.output.dir;
     let snapshots = out.join("snapshots");
-    let existing = snapshot::latest(&snapshots)?;
+    // The memory's snapshots count only where the recipe keeps them (every rank then sees them).
+    let in_memory = recipe.output.memory_snapshot_every > 0;
+    let memory = memory::root(out);
+    let existing = memory::newest_snapshot(recipe)?;
     if group.rank() == 0 {
         std::fs::create_dir_all(&snapshots)
             .io(|| format!("cannot create {}", snapshots.display()))?;
@@ -747,11 +772,24 @@ fn prepare_dir(
                 .and_then(|()| std::fs::create_dir_all(&snapshots))
                 .io(|| format!("cannot clear {}", snapshots.display()))?;
         }
+        if !options.resume && options.overwrite && memory.exists() {
+            std::fs::remove_dir_all(&memory)
+                .io(|| format!("cannot clear {}", memory.display()))?;
+        }
         std::fs::write(out.join("recipe.toml"), recipe.to_toml())
             .io(|| format!("cannot write {}", out.join("recipe.toml").display()))?;
     }
     // Every rank writes snapshots there: a directory some rank does not see is named now.
     crate::shared_dir::check_shared(out, group)?;
+    if in_memory {
+        group.barrier()?;
+        std::fs::create_dir_all(&memory).io(|| format!("cannot create {}", memory.display()))?;
+        crate::shared_dir::check_shared(&memory, group).map_err(|e| {
+            TrainError::Snapshot(format!(
+                "output.memory_snapshot_every needs every rank on one machine (a copy on                  another node is not made): {e}"
+            ))
+        })?;
+    }
     if let Some(newest) = &existing
         && !options.resume
         && !options.overwrite
