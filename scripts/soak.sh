@@ -27,6 +27,8 @@
 # root and iproute2's `ip` (without them that job is SKIPPED, saying why). Environment:
 #   KILN=target/release/kiln  SOAK_DIR=/tmp/kiln-soak-PID  SOAK_SEED=1  SOAK_STEPS=5000
 #   SOAK_EVERY=10 (snapshot interval)  SOAK_JOBS="one two"  SOAK_RECOVERY_LIMIT=120
+#   SOAK_MEMORY_EVERY=0 (k > 0: also a snapshot in memory every k steps, --memory-snapshot-every;
+#   the steps recomputed are then checked against k)
 set -uo pipefail
 
 FAILURES=${1:-100}
@@ -35,6 +37,7 @@ DIR=${SOAK_DIR:-/tmp/kiln-soak-$$}
 SEED=${SOAK_SEED:-1}
 STEPS=${SOAK_STEPS:-5000}
 EVERY=${SOAK_EVERY:-10}
+MEMORY_EVERY=${SOAK_MEMORY_EVERY:-0}
 JOBS=${SOAK_JOBS:-one two}
 LIMIT=${SOAK_RECOVERY_LIMIT:-120}
 HANG=4          # --hang-timeout
@@ -44,11 +47,12 @@ RANDOM=$SEED
 [ -x "$KILN" ] || { echo "soak: no kiln binary at $KILN (cargo build --release -p kiln-cli)"; exit 2; }
 command -v python3 >/dev/null || { echo "soak: needs python3"; exit 2; }
 mkdir -p "$DIR"
-echo "soak: $FAILURES failures, seed $SEED, $STEPS steps, a snapshot every $EVERY; in $DIR"
+echo "soak: $FAILURES failures, seed $SEED, $STEPS steps, a snapshot every $EVERY (in memory: every $MEMORY_EVERY); in $DIR"
 
 # The default recipe's model (GPT-2, 2 layers, d=64) under ZeRO-3, validation every 100 steps.
 train_args() { # OUT
     echo train --strategy zero3 --steps "$STEPS" --snapshot-every "$EVERY" \
+        --memory-snapshot-every "$MEMORY_EVERY" \
         --set train.eval_every=100 --set train.sample_chars=0 --out "$1" --overwrite
 }
 
@@ -96,7 +100,10 @@ EOF
 # The figures of a run, from the launcher's --summary JSON and the metrics; prints a report and
 # exits 1 if a check fails.
 report() { # NAME SUMMARY RUN_DIR REFERENCE_DIR KINDS_FILE SOAK_HANGS CAUGHT
-    python3 - "$@" "$EVERY" <<'EOF'
+    # The interval a failure may cost: the memory snapshots' where they are kept.
+    local interval=$EVERY
+    [ "$MEMORY_EVERY" -gt 0 ] && interval=$MEMORY_EVERY
+    python3 - "$@" "$interval" <<'EOF'
 import json, statistics, sys
 name, summary, run, ref, kinds, soak_hangs, caught, every = sys.argv[1:]
 every = int(every)
