@@ -169,7 +169,10 @@ fn a_crash_restarts_from_the_snapshot_in_memory_recomputing_at_most_its_interval
     let resumed = s["restarts"][0]["resumed_from"].as_u64().unwrap();
     if on_disk.is_none() {
         // Nothing on disk when the rank died: the restart came from memory.
-        assert!(resumed > 0, "resumed from step 0 with snapshots in memory: {s:#}");
+        assert!(
+            resumed > 0,
+            "resumed from step 0 with snapshots in memory: {s:#}"
+        );
     }
     assert_eq!(latest_step(&run), Some(steps));
     assert_eq!(

@@ -773,8 +773,7 @@ fn prepare_dir(
                 .io(|| format!("cannot clear {}", snapshots.display()))?;
         }
         if !options.resume && options.overwrite && memory.exists() {
-            std::fs::remove_dir_all(&memory)
-                .io(|| format!("cannot clear {}", memory.display()))?;
+            std::fs::remove_dir_all(&memory).io(|| format!("cannot clear {}", memory.display()))?;
         }
         std::fs::write(out.join("recipe.toml"), recipe.to_toml())
             .io(|| format!("cannot write {}", out.join("recipe.toml").display()))?;
