@@ -24,8 +24,9 @@
 use crate::hang::HangWatch;
 use crate::launch_args::LaunchArgs;
 use crate::round::{Ended, Event, Program, Round, Verdict, heartbeat_dir, run_round};
-use crate::rounds::{Agent, Next, finish, first_round, join_round, linger, signalled};
+use crate::rounds::{Agent, Next, Plan, finish, first_round, join_round, linger, signalled};
 use anyhow::{Context, Result};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// How a round's failure is recorded in the launchers' rendezvous: whether it was a hang,
@@ -114,68 +115,137 @@ impl Record {
 /// Runs the job with restarts (see the module doc); the launcher's exit code.
 pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>) -> Result<i32> {
     let started = Instant::now();
-    let mut agent = Agent::start(args, token.clone())?;
-    let patience = Duration::from_secs_f64(args.rdzv_timeout.max(1.0));
-    let mut record = Record::default();
-    let mut round = first_round(&mut agent, patience)?;
-    // The highest step seen in any round, and the restarts in a row that made no step.
-    let mut high: Option<u64> = None;
-    let mut fruitless = 0u32;
+    let mut s = Supervisor {
+        args,
+        prog,
+        agent: Agent::start(args, token.clone())?,
+        token,
+        patience: Duration::from_secs_f64(args.rdzv_timeout.max(1.0)),
+        record: Record::default(),
+        high: None,
+        fruitless: 0,
+        me: format!("node {}: ", args.node_rank),
+    };
+    let mut round = first_round(&mut s.agent, s.patience)?;
     let code = loop {
-        let plan = match join_round(&mut agent, args, round)? {
+        match s.round(round)? {
+            Flow::End(code) => break code,
+            Flow::Next => round += 1,
+        }
+    };
+    s.end(code, started)
+}
+
+/// What the restart loop keeps from round to round.
+struct Supervisor<'a> {
+    args: &'a LaunchArgs,
+    prog: &'a Program,
+    token: Option<String>,
+    agent: Agent,
+    /// How long to wait for the launchers' rendezvous.
+    patience: Duration,
+    record: Record,
+    /// The highest step seen in any round.
+    high: Option<u64>,
+    /// The restarts in a row that made no step.
+    fruitless: u32,
+    /// "node N: ", the prefix of this node's failures.
+    me: String,
+}
+
+/// What a round leads to.
+enum Flow {
+    /// The launcher ends with this code.
+    End(i32),
+    /// The next round.
+    Next,
+}
+
+/// How a round that ran ended, for the restart loop.
+enum Outcome {
+    /// The launcher ends with this code.
+    End(i32),
+    /// The round failed: what happened, the exit code if the launcher gives up, a hang?
+    Failed { why: String, code: i32, hang: bool },
+}
+
+/// What one round of this node's ranks did.
+struct Ran {
+    ended: Ended,
+    /// When the failure was seen (ms since the epoch; 0 when none).
+    failed_ms: u64,
+    /// A step, or a minute without failing: not a failure at start.
+    progressed: bool,
+}
+
+impl Supervisor<'_> {
+    /// Round `round`: join it, run this node's ranks if it has any, restart or end.
+    fn round(&mut self, round: usize) -> Result<Flow> {
+        let plan = match join_round(&mut self.agent, self.args, round)? {
             Next::Plan(p) => p,
             Next::End(why) if why == "done" => {
                 eprintln!("[kiln launch] the job finished without this node");
-                break 0;
+                return Ok(Flow::End(0));
             }
             Next::End(why) => {
                 eprintln!("[kiln launch] the job ended: {why}");
-                break 1;
+                return Ok(Flow::End(1));
             }
         };
-        let Some((first_rank, world, group_rank)) = plan.place(args.node_rank) else {
+        let Some((first_rank, world, group_rank)) = plan.place(self.args.node_rank) else {
             eprintln!(
                 "[kiln launch] round {round} started without this node; it waits to be \
                  admitted at the next restart"
             );
-            round += 1;
-            continue;
+            return Ok(Flow::Next);
         };
-        record
-            .rounds
-            .push(plan.nodes.iter().map(|(n, _)| *n).collect());
+        let nodes: Vec<usize> = plan.nodes.iter().map(|(n, _)| *n).collect();
         if round > 0 {
             eprintln!(
-                "[kiln launch] round {round}: {world} rank(s) on node(s) {:?}, from the latest \
-                 snapshot",
-                plan.nodes.iter().map(|(n, _)| n).collect::<Vec<_>>()
+                "[kiln launch] round {round}: {world} rank(s) on node(s) {nodes:?}, from the \
+                 latest snapshot"
             );
         }
+        self.record.rounds.push(nodes);
         let dir = heartbeat_dir(round)?;
-        let mut watch = HangWatch::new(args.hang_timeout, Some(dir.clone()), plan.nodes.len() == 1);
         let r = Round {
             first_rank,
             world,
             group_rank,
-            master_addr: &args.master_addr,
+            master_addr: &self.args.master_addr,
             port: plan.port,
-            token: token
+            token: self
+                .token
                 .as_deref()
                 .map(|t| kiln_comm::auth::derive_token(t, &format!("round {round}"))),
             restart: Some(round),
             heartbeats: Some(&dir),
         };
+        let ran = self.run(round, &r, &dir, plan.nodes.len() == 1)?;
+        let (why, code, hang) = match self.outcome(round, &plan, ran.ended)? {
+            Outcome::End(code) => return Ok(Flow::End(code)),
+            Outcome::Failed { why, code, hang } => (why, code, hang),
+        };
+        self.restart(round, why, code, hang, ran.failed_ms, ran.progressed)
+    }
+
+    /// Runs this node's ranks for `round` (`r`; heartbeats in `dir`, removed after), watching
+    /// for hangs and for other nodes' failures; closes the last restart's record with what
+    /// the round achieved.
+    fn run(&mut self, round: usize, r: &Round<'_>, dir: &Path, one_node: bool) -> Result<Ran> {
+        let mut watch = HangWatch::new(self.args.hang_timeout, Some(dir.to_path_buf()), one_node);
         let mut announced = false;
         let round_start = Instant::now();
         let mut last_poll = Instant::now();
         let failed_key = format!("round/{round}/failed");
-        let pending = record
+        let pending = self
+            .record
             .restarts
             .last()
             .cloned()
             .filter(|r| r.recover_s.is_none());
-        let me = format!("node {}: ", args.node_rank);
-        let (ended, failed_ms) = run_round(args, prog, &r, &mut |event| {
+        let (agent, me) = (&mut self.agent, &self.me);
+        let (ended, failed_ms) = run_round(self.args, self.prog, r, &mut |event| {
             let ranks = match event {
                 Event::Tick(ranks) => ranks,
                 // Told to the other nodes first (they see the cause before its effects).
@@ -220,10 +290,10 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             Verdict::Continue
         })?;
         watch.read_last();
-        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(dir);
         // What this round achieved: its resumed step and first step close the last restart.
         if let Some((first, at_ms)) = watch.first_step()
-            && let Some(last) = record.restarts.last_mut()
+            && let Some(last) = self.record.restarts.last_mut()
             && last.recover_s.is_none()
         {
             last.resumed_from = Some(first - 1);
@@ -231,25 +301,37 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
             last.recover_s = Some(at_ms.saturating_sub(last.failed_ms) as f64 / 1000.0);
         }
         let step = watch.step();
-        // A step, or (for a program that reports none, or a node without rank 0) a round
-        // that ran a minute: not a failure at start.
-        let progressed = step > 0 || round_start.elapsed() >= Duration::from_secs(60);
         if step > 0 {
-            high = Some(high.map_or(step, |h| h.max(step)));
+            self.high = Some(self.high.map_or(step, |h| h.max(step)));
         }
-        let (why, code, hang) = match ended {
+        Ok(Ran {
+            ended,
+            failed_ms,
+            // A step, or (for a program that reports none, or a node without rank 0) a round
+            // that ran a minute: not a failure at start.
+            progressed: step > 0 || round_start.elapsed() >= Duration::from_secs(60),
+        })
+    }
+
+    /// What `ended` means for the job: its end, or a failure (this node's, or another's that
+    /// caused it, as recorded in the rendezvous).
+    fn outcome(&mut self, round: usize, plan: &Plan, ended: Ended) -> Result<Outcome> {
+        let (args, patience, me) = (self.args, self.patience, &self.me);
+        let agent = &mut self.agent;
+        let failed_key = format!("round/{round}/failed");
+        Ok(match ended {
             Ended::Done => {
                 let _ = agent.set(
                     &format!("round/{round}/ok/{}", args.node_rank),
                     "1",
                     patience,
                 );
-                match finish(&mut agent, args, &plan, round)? {
-                    None => break 0,
+                match finish(agent, args, plan, round)? {
+                    None => Outcome::End(0),
                     // Another node failed at the end: this round failed after all.
                     Some(mark) => {
                         let (why, hang) = failure_of(&mark);
-                        (why, 1, hang)
+                        Outcome::Failed { why, code: 1, hang }
                     }
                 }
             }
@@ -257,17 +339,18 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
                 let why = format!("{me}{why}");
                 // Another node's failure recorded first is the cause; this one its effect
                 // (a rank here lost its peer there).
-                match agent.get_now(&failed_key, patience).ok().flatten() {
-                    Some(mark) if !mark.contains(&me) => {
+                let (why, hang) = match agent.get_now(&failed_key, patience).ok().flatten() {
+                    Some(mark) if !mark.contains(me.as_str()) => {
                         let (cause, hang) = failure_of(&mark);
-                        (format!("{cause} (here: {why})"), code, hang)
+                        (format!("{cause} (here: {why})"), hang)
                     }
-                    Some(_) => (why, code, hang),
+                    Some(_) => (why, hang),
                     None => {
                         let _ = agent.set(&failed_key, &failure_mark(&why, hang), patience);
-                        (why, code, hang)
+                        (why, hang)
                     }
-                }
+                };
+                Outcome::Failed { why, code, hang }
             }
             // Another node's failure (its text names the node), or this node's whole job hung.
             Ended::Stopped { why, hang } => {
@@ -279,7 +362,7 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
                 if !agent.check(&failed_key, patience).unwrap_or(true) {
                     let _ = agent.set(&failed_key, &failure_mark(&why, hang), patience);
                 }
-                (why, 1, hang)
+                Outcome::Failed { why, code: 1, hang }
             }
             Ended::Signal(sig) => {
                 let _ = agent.set(
@@ -287,44 +370,59 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
                     &format!("node {}'s launcher received signal {sig}", args.node_rank),
                     Duration::from_secs(2),
                 );
-                break 128 + sig;
+                Outcome::End(128 + sig)
             }
-        };
-        record.restarts.push(Restart {
+        })
+    }
+
+    /// After a failed round: the restart recorded, then either the end (restarts run out, or
+    /// a signal during the back-off) or the next round after the back-off.
+    fn restart(
+        &mut self,
+        round: usize,
+        why: String,
+        code: i32,
+        hang: bool,
+        failed_ms: u64,
+        progressed: bool,
+    ) -> Result<Flow> {
+        let args = self.args;
+        self.record.restarts.push(Restart {
             round,
             why: why.clone(),
             hang,
-            reached: high,
+            reached: self.high,
             resumed_from: None,
             recomputed: None,
             recover_s: None,
             failed_ms,
         });
-        fruitless = if progressed { 0 } else { fruitless + 1 };
-        if record.restarts.len() > args.max_restarts {
+        self.fruitless = if progressed { 0 } else { self.fruitless + 1 };
+        let restarts = self.record.restarts.len();
+        if restarts > args.max_restarts {
             let end = format!(
                 "gave up after {} restart(s) (--max-restarts {}): {why}",
-                record.restarts.len() - 1,
+                restarts - 1,
                 args.max_restarts
             );
             eprintln!("[kiln launch] {end}");
             // The failure is not a restart: it ends the job.
-            record.restarts.pop();
-            let _ = agent.set("job/end", &end, Duration::from_secs(2));
-            break code;
+            self.record.restarts.pop();
+            let _ = self.agent.set("job/end", &end, Duration::from_secs(2));
+            return Ok(Flow::End(code));
         }
         // Node 0 waits before it starts the next round, doubling the wait for each round in
         // a row that made no progress (a failure at start, a bad node or a port in use, is
         // not retried in a tight loop); the other nodes wait for its plan.
         let backoff = if args.node_rank == 0 {
-            (args.restart_backoff * 2f64.powi(fruitless.clamp(1, 10) as i32 - 1)).min(60.0)
+            (args.restart_backoff * 2f64.powi(self.fruitless.clamp(1, 10) as i32 - 1)).min(60.0)
         } else {
             0.0
         };
         eprintln!(
-            "[kiln launch] round {round} failed ({why}) at step {}; restart {} of {} {}",
-            high.map_or("(none reported here)".into(), |h| h.to_string()),
-            record.restarts.len(),
+            "[kiln launch] round {round} failed ({why}) at step {}; restart {restarts} of {} {}",
+            self.high
+                .map_or("(none reported here)".into(), |h| h.to_string()),
             args.max_restarts,
             if args.node_rank == 0 {
                 format!("in {backoff:.1}s")
@@ -335,39 +433,44 @@ pub(crate) fn supervise(args: &LaunchArgs, prog: &Program, token: Option<String>
         let until = Instant::now() + Duration::from_secs_f64(backoff);
         while Instant::now() < until {
             if let Some(sig) = signalled() {
-                let _ = agent.set(
+                let _ = self.agent.set(
                     "job/end",
                     &format!("node {}'s launcher received signal {sig}", args.node_rank),
                     Duration::from_secs(2),
                 );
-                return Ok(128 + sig);
+                return Ok(Flow::End(128 + sig));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        round += 1;
-    };
-    record.exit_code = code;
-    record.elapsed_s = started.elapsed().as_secs_f64();
-    eprintln!("[kiln launch] recovery: {}", record.line());
-    if let Some(path) = &args.summary {
-        let json = serde_json::to_string_pretty(&record).expect("the record serialises");
-        std::fs::write(path, json + "\n")
-            .with_context(|| format!("cannot write the summary {}", path.display()))?;
+        Ok(Flow::Next)
     }
-    if args.node_rank == 0 {
-        // The others learn the end from this store: give them a moment to read it.
-        linger(&mut agent, args);
-    } else {
-        let _ = agent.set(
-            &format!("bye/{}", args.node_rank),
-            "1",
-            Duration::from_secs(2),
+
+    /// The end of the job on this node: the recovery line and summary, the goodbye.
+    fn end(mut self, code: i32, started: Instant) -> Result<i32> {
+        let args = self.args;
+        self.record.exit_code = code;
+        self.record.elapsed_s = started.elapsed().as_secs_f64();
+        eprintln!("[kiln launch] recovery: {}", self.record.line());
+        if let Some(path) = &args.summary {
+            let json = serde_json::to_string_pretty(&self.record).expect("the record serialises");
+            std::fs::write(path, json + "\n")
+                .with_context(|| format!("cannot write the summary {}", path.display()))?;
+        }
+        if args.node_rank == 0 {
+            // The others learn the end from this store: give them a moment to read it.
+            linger(&mut self.agent, args);
+        } else {
+            let _ = self.agent.set(
+                &format!("bye/{}", args.node_rank),
+                "1",
+                Duration::from_secs(2),
+            );
+        }
+        let _ = std::fs::remove_dir_all(
+            std::env::temp_dir().join(format!("kiln-launch-{}", std::process::id())),
         );
+        Ok(code)
     }
-    let _ = std::fs::remove_dir_all(
-        std::env::temp_dir().join(format!("kiln-launch-{}", std::process::id())),
-    );
-    Ok(code)
 }
 
 #[cfg(test)]
