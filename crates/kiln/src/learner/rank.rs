@@ -232,7 +232,7 @@ where
             learner,
             train,
             valid,
-            mut lead,
+            lead,
             store,
             interrupter,
             checkpointing,
@@ -242,7 +242,6 @@ where
             plan,
             figures,
         } = self;
-        let (rank, world) = (group.rank(), group.world_size());
         let device: B::Device = Default::default();
         let mesh = Mesh::new(group.clone(), &plan)?;
         let parallel = parallelize::<B, C, Model<LC>, Whole, NoStages>(
@@ -253,181 +252,293 @@ where
             &mesh,
             &device,
         )?;
-        let config = parallel.step;
-        let mut model = parallel.model;
         let optim = LearnerOptim(Arc::new(Mutex::new(learner)));
         // The Learner holds the sharded model from here (not a whole copy).
-        optim.lock().load_model(model.clone().into_record());
+        optim
+            .lock()
+            .load_model(parallel.model.clone().into_record());
+        let mut t = Training::<B, C, LC> {
+            rank: group.rank(),
+            world: group.world_size(),
+            group,
+            device,
+            model: Some(parallel.model),
+            optim,
+            config: parallel.step,
+            lead,
+            store,
+            interrupter,
+            accumulation,
+            steps: 0,
+            _checkpointing: std::marker::PhantomData,
+        };
         train.skip(starting_epoch.saturating_sub(1));
         valid.skip(starting_epoch.saturating_sub(1));
-        let g = group.as_ref();
-        let mut steps = 0;
-
         for epoch in starting_epoch..=num_epochs {
             let global = Progress::new(epoch, num_epochs);
-            // Training.
-            let mut feed = train.epoch(rank, world);
-            let mut iteration = 0;
-            let mut accumulator = GradientsAccumulator::<Model<LC>>::new();
-            let mut accumulated = 0;
-            let mut stopped = false;
-            loop {
-                let next = train.next(&mut feed)?;
-                let agreed = agree(
-                    g,
-                    interrupter.should_stop(),
-                    next.as_ref().map(|n| n.2.rows),
-                    "training batches",
-                )?;
-                if agreed.stop {
-                    stopped = true;
-                    break;
-                }
-                let Some((item, progress, share)) = next.filter(|_| agreed.more) else {
-                    break;
-                };
-                iteration += 1;
-                optim.lock().lr_step();
-                // One batch: forward and backward of this rank's rows (the program's TrainStep),
-                // gradients reduced over the ranks as the strategy says.
-                let even = share.is_even();
-                let deferred = accumulation.is_some() || !even;
-                // Ranks with a row more weigh more: the batch's mean, as one device.
-                let weight = match even {
-                    true => 1.0,
-                    false => (share.len() * world) as f64 / share.rows as f64,
-                };
-                // The program's step, with BatchNorm's statistics over the ranks under
-                // BufferPolicy::Sync.
-                let train_step = |item| {
-                    with_batch_statistics::<B, Train<B, C>, _, _>(&model, weight, || {
-                        autocast(config.precision, || TrainStep::step(&model, item))
-                    })
-                };
-                let out = if deferred {
-                    let out = no_sync(&model, || train_step(item));
-                    remark::<B, Train<B, C>, _>(&model);
-                    out
-                } else {
-                    train_step(item)
-                };
-                let grads = if even {
-                    out.grads
-                } else {
-                    scale_grads::<Train<B, C>, _>(&model, out.grads, weight)
-                };
-                let ready = match accumulation {
-                    Some(k) => {
-                        accumulator.accumulate(&model, grads);
-                        accumulated += 1;
-                        (accumulated >= k).then(|| {
-                            accumulated = 0;
-                            reduce_gradients::<B, Train<B, C>, _>(&model, accumulator.grads())
-                        })
-                    }
-                    None if deferred => Some(reduce_gradients::<B, Train<B, C>, _>(&model, grads)),
-                    None => Some(grads),
-                };
-                if let Some(grads) = ready {
-                    model = optimizer_step(model, &optim, &config, grads)?;
-                    steps += 1;
-                }
-                let lr = optim.lock().lr_current();
-                let item = out.item.gather(&share, g)?;
-                if let (Some(lead), Some(item)) = (lead.as_mut(), item) {
-                    let item = TrainingItem::new(
-                        item,
-                        progress,
-                        global.clone(),
-                        Some(iteration),
-                        Some(lr),
-                    );
-                    lead.processor
-                        .process_train(LearnerEvent::ProcessedItem(item));
-                }
-            }
-            if let Some(lead) = lead.as_mut() {
-                lead.processor.process_train(LearnerEvent::EndEpoch(epoch));
-            }
-            if stopped {
-                if !interrupter.should_stop() {
-                    interrupter.stop(Some("another rank was interrupted"));
-                }
+            if t.train_epoch(&train, epoch, &global)? == Epochs::Interrupted {
                 break;
             }
-
-            // Validation, on every rank (reading a sharded parameter is a collective).
-            let model_valid = model.valid();
-            let mut feed = valid.epoch(rank, world);
-            let mut iteration = 0;
-            loop {
-                let next = valid.next(&mut feed)?;
-                let agreed = agree(
-                    g,
-                    interrupter.should_stop(),
-                    next.as_ref().map(|n| n.2.rows),
-                    "validation batches",
-                )?;
-                let Some((item, progress, share)) = next.filter(|_| agreed.more && !agreed.stop)
-                else {
-                    break;
-                };
-                iteration += 1;
-                let out = autocast(config.precision, || InferenceStep::step(&model_valid, item));
-                if let (Some(lead), Some(out)) = (lead.as_mut(), out.gather(&share, g)?) {
-                    let item =
-                        TrainingItem::new(out, progress, global.clone(), Some(iteration), None);
-                    lead.processor
-                        .process_valid(LearnerEvent::ProcessedItem(item));
-                }
-            }
-            if let Some(lead) = lead.as_mut() {
-                lead.processor.process_valid(LearnerEvent::EndEpoch(epoch));
-            }
-
-            // Checkpoint: every rank gathers its part, rank 0 writes through the program's
-            // checkpointer (its recorder, directory and strategy).
+            t.validate(&valid, epoch, &global)?;
             if checkpointing {
-                let whole = gather_model::<B, Train<B, C>, _>(model.clone());
-                let record = optimizer_record(&optim.lock(), &store);
-                let state = record.gather_whole(&param_order(&model), rank, &device);
-                if let (Some(lead), Some(state)) = (lead.as_mut(), state)
-                    && let Some(checkpointer) = lead.checkpointer.as_mut()
-                {
-                    let mut learner = optim.lock().clone();
-                    learner.load_model(whole.into_record());
-                    learner.load_optim(state);
-                    checkpointer.checkpoint(&learner, epoch, &store);
-                }
+                t.checkpoint(epoch);
             }
-
-            // Early stopping: rank 0 decides from its metrics, every rank follows.
-            let stop = lead
-                .as_mut()
-                .and_then(|l| l.early_stopping.as_mut())
-                .is_some_and(|s| s.should_stop(epoch, &store));
-            let mut flag = [i64::from(stop)];
-            g.all_reduce(BufMut::I64(&mut flag), ReduceOp::Max)?;
-            if flag[0] != 0 {
+            if t.stop_early(epoch)? {
                 break;
             }
         }
+        t.finish(&figures)
+    }
+}
 
-        let record = optimizer_record(&optim.lock(), &store);
+/// Whether training goes on after an epoch's batches.
+#[derive(Debug, PartialEq, Eq)]
+enum Epochs {
+    Continue,
+    /// A rank's interrupter stopped it (every rank stops).
+    Interrupted,
+}
+
+/// A rank's training in progress: what the parts of the epoch loop share.
+struct Training<B: Backend, C: CheckpointStrategy, LC: LearningComponentsTypes> {
+    group: Arc<dyn ProcessGroup>,
+    rank: usize,
+    world: usize,
+    device: B::Device,
+    /// The parallelized model (its shards under ZeRO-3); taken only by the optimizer's step.
+    model: Option<Model<LC>>,
+    optim: LearnerOptim<LC>,
+    config: StepConfig,
+    /// Rank 0's event processor, checkpointer and early stopping.
+    lead: Option<Lead<LC>>,
+    store: Arc<EventStoreClient>,
+    interrupter: Interrupter,
+    accumulation: Option<usize>,
+    /// Optimizer steps taken.
+    steps: usize,
+    _checkpointing: std::marker::PhantomData<C>,
+}
+
+/// Gradients accumulated over batches (`accumulation`).
+struct Accumulated<LC: LearningComponentsTypes> {
+    grads: GradientsAccumulator<Model<LC>>,
+    batches: usize,
+}
+
+impl<B, C, LC> Training<B, C, LC>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    LC: LearningComponentsTypes<Backend = Train<B, C>>,
+    TrainInput<LC>: Split + Send,
+    <Model<LC> as TrainStep>::Output: Gather,
+    ValidInput<LC>: Split + Send,
+    <LC::InferenceModel as InferenceStep>::Output: Gather,
+    OptimRecord<LC>: StateRecord<Train<B, C>> + Send,
+    burn::train::Learner<LC>: Send,
+{
+    fn model(&self) -> &Model<LC> {
+        self.model.as_ref().expect("the model between steps")
+    }
+
+    /// An epoch's training batches; whether a rank was interrupted.
+    fn train_epoch(
+        &mut self,
+        train: &Feed<Train<B, C>, TrainInput<LC>>,
+        epoch: usize,
+        global: &Progress,
+    ) -> Result<Epochs, LearnerError> {
+        let mut feed = train.epoch(self.rank, self.world);
+        let mut iteration = 0;
+        let mut accumulated = Accumulated::<LC> {
+            grads: GradientsAccumulator::new(),
+            batches: 0,
+        };
+        let mut interrupted = false;
+        loop {
+            let next = train.next(&mut feed)?;
+            let agreed = agree(
+                self.group.as_ref(),
+                self.interrupter.should_stop(),
+                next.as_ref().map(|n| n.2.rows),
+                "training batches",
+            )?;
+            if agreed.stop {
+                interrupted = true;
+                break;
+            }
+            let Some((item, progress, share)) = next.filter(|_| agreed.more) else {
+                break;
+            };
+            iteration += 1;
+            self.optim.lock().lr_step();
+            let out = self.batch(item, &share, &mut accumulated)?;
+            let lr = self.optim.lock().lr_current();
+            let item = out.gather(&share, self.group.as_ref())?;
+            if let (Some(lead), Some(item)) = (self.lead.as_mut(), item) {
+                let item =
+                    TrainingItem::new(item, progress, global.clone(), Some(iteration), Some(lr));
+                lead.processor
+                    .process_train(LearnerEvent::ProcessedItem(item));
+            }
+        }
+        if let Some(lead) = self.lead.as_mut() {
+            lead.processor.process_train(LearnerEvent::EndEpoch(epoch));
+        }
+        if !interrupted {
+            return Ok(Epochs::Continue);
+        }
+        if !self.interrupter.should_stop() {
+            self.interrupter.stop(Some("another rank was interrupted"));
+        }
+        Ok(Epochs::Interrupted)
+    }
+
+    /// One batch: forward and backward of this rank's rows (the program's `TrainStep`),
+    /// gradients reduced over the ranks as the strategy says, the optimizer's step when the
+    /// accumulation is complete; the step's output.
+    fn batch(
+        &mut self,
+        item: TrainInput<LC>,
+        share: &Share,
+        accumulated: &mut Accumulated<LC>,
+    ) -> Result<<Model<LC> as TrainStep>::Output, LearnerError> {
+        let model = self.model();
+        let even = share.is_even();
+        let deferred = self.accumulation.is_some() || !even;
+        // Ranks with a row more weigh more: the batch's mean, as one device.
+        let weight = match even {
+            true => 1.0,
+            false => (share.len() * self.world) as f64 / share.rows as f64,
+        };
+        // The program's step, with BatchNorm's statistics over the ranks under
+        // BufferPolicy::Sync.
+        let precision = self.config.precision;
+        let train_step = |item| {
+            with_batch_statistics::<B, Train<B, C>, _, _>(model, weight, || {
+                autocast(precision, || TrainStep::step(model, item))
+            })
+        };
+        let out = if deferred {
+            let out = no_sync(model, || train_step(item));
+            remark::<B, Train<B, C>, _>(model);
+            out
+        } else {
+            train_step(item)
+        };
+        let grads = if even {
+            out.grads
+        } else {
+            scale_grads::<Train<B, C>, _>(model, out.grads, weight)
+        };
+        let ready = match self.accumulation {
+            Some(k) => {
+                accumulated.grads.accumulate(model, grads);
+                accumulated.batches += 1;
+                (accumulated.batches >= k).then(|| {
+                    accumulated.batches = 0;
+                    reduce_gradients::<B, Train<B, C>, _>(model, accumulated.grads.grads())
+                })
+            }
+            None if deferred => Some(reduce_gradients::<B, Train<B, C>, _>(model, grads)),
+            None => Some(grads),
+        };
+        if let Some(grads) = ready {
+            let model = self.model.take().expect("the model between steps");
+            self.model = Some(optimizer_step(model, &self.optim, &self.config, grads)?);
+            self.steps += 1;
+        }
+        Ok(out.item)
+    }
+
+    /// An epoch's validation, on every rank (reading a sharded parameter is a collective).
+    fn validate(
+        &mut self,
+        valid: &Feed<kiln_shard::Shard<B>, ValidInput<LC>>,
+        epoch: usize,
+        global: &Progress,
+    ) -> Result<(), LearnerError> {
+        let g = self.group.as_ref();
+        let model_valid = self.model().valid();
+        let mut feed = valid.epoch(self.rank, self.world);
+        let mut iteration = 0;
+        loop {
+            let next = valid.next(&mut feed)?;
+            let agreed = agree(
+                g,
+                self.interrupter.should_stop(),
+                next.as_ref().map(|n| n.2.rows),
+                "validation batches",
+            )?;
+            let Some((item, progress, share)) = next.filter(|_| agreed.more && !agreed.stop) else {
+                break;
+            };
+            iteration += 1;
+            let out = autocast(self.config.precision, || {
+                InferenceStep::step(&model_valid, item)
+            });
+            if let (Some(lead), Some(out)) = (self.lead.as_mut(), out.gather(&share, g)?) {
+                let item = TrainingItem::new(out, progress, global.clone(), Some(iteration), None);
+                lead.processor
+                    .process_valid(LearnerEvent::ProcessedItem(item));
+            }
+        }
+        if let Some(lead) = self.lead.as_mut() {
+            lead.processor.process_valid(LearnerEvent::EndEpoch(epoch));
+        }
+        Ok(())
+    }
+
+    /// Every rank gathers its part, rank 0 writes through the program's checkpointer (its
+    /// recorder, directory and strategy).
+    fn checkpoint(&mut self, epoch: usize) {
+        let whole = gather_model::<B, Train<B, C>, _>(self.model().clone());
+        let record = optimizer_record(&self.optim.lock(), &self.store);
+        let state = record.gather_whole(&param_order(self.model()), self.rank, &self.device);
+        if let (Some(lead), Some(state)) = (self.lead.as_mut(), state)
+            && let Some(checkpointer) = lead.checkpointer.as_mut()
+        {
+            let mut learner = self.optim.lock().clone();
+            learner.load_model(whole.into_record());
+            learner.load_optim(state);
+            checkpointer.checkpoint(&learner, epoch, &self.store);
+        }
+    }
+
+    /// Early stopping: rank 0 decides from its metrics, every rank follows.
+    fn stop_early(&mut self, epoch: usize) -> Result<bool, LearnerError> {
+        let stop = self
+            .lead
+            .as_mut()
+            .and_then(|l| l.early_stopping.as_mut())
+            .is_some_and(|s| s.should_stop(epoch, &self.store));
+        let mut flag = [i64::from(stop)];
+        self.group
+            .all_reduce(BufMut::I64(&mut flag), ReduceOp::Max)?;
+        Ok(flag[0] != 0)
+    }
+
+    /// What the rank held (for `figures`), and the model whole on every rank, free of the
+    /// groups (they end with the job): the program's code after `fit` uses it as one
+    /// device's.
+    fn finish(
+        self,
+        figures: &Mutex<Vec<RankFigures>>,
+    ) -> Result<(Model<LC>, Option<Lead<LC>>), LearnerError> {
+        let record = optimizer_record(&self.optim.lock(), &self.store);
         figures
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(RankFigures {
-                rank,
-                param_bytes: param_bytes::<B, Train<B, C>, _>(&model),
+                rank: self.rank,
+                param_bytes: param_bytes::<B, Train<B, C>, _>(self.model()),
                 optim_bytes: record_bytes::<Train<B, C>, _>(record),
-                steps,
+                steps: self.steps,
             });
-        // The model whole, on every rank, and free of the groups (they end with the job): the
-        // program's code after `fit` uses it as one device's.
+        let model = self.model.expect("the model between steps");
         let whole = gather_model::<B, Train<B, C>, _>(model);
         release::<B, Train<B, C>, _>(&whole);
-        Ok((Model::<LC>::from_inner(whole.valid()), lead))
+        Ok((Model::<LC>::from_inner(whole.valid()), self.lead))
     }
 }
 
