@@ -328,20 +328,20 @@ fn run_options(recipe: &Recipe, args: &TrainArgs, restart: usize) -> Result<RunO
             resume: args.resume,
             overwrite: args.overwrite,
             stop_after: args.stop_after,
+            restart: false,
         });
     }
-    let snapshots = recipe.output.dir.join("snapshots");
+    // A restart continues from the newest snapshot (made from the machines' memory snapshots
+    // first, with ranks on several), else starts afresh: `kiln_train` decides once the ranks
+    // meet.
     let latest = kiln_train::memory::newest_snapshot(recipe)?;
-    if args.resume && latest.is_none() {
-        bail!(
-            "--resume: there is no complete snapshot in {} (restart {restart} of the job)",
-            snapshots.display()
-        );
-    }
     Ok(RunOptions {
         resume: latest.is_some(),
         overwrite: false,
         stop_after: args.stop_after,
+        // Memory snapshots of ranks on several machines become a disk snapshot only once the
+        // ranks meet: the run then resumes if there is one.
+        restart: true,
     })
 }
 

@@ -12,7 +12,9 @@
 //! - restarts that run out: the launcher exits with the failure;
 //! - across two network namespaces (root and `ip` needed; SKIPPED otherwise, saying why): a
 //!   link taken down and up again (both nodes restart, bitwise equal), and a node lost for
-//!   good under `--nnodes 1:2` (the job finishes on the other node, within 1e-5).
+//!   good under `--nnodes 1:2` (the job finishes on the other node, within 1e-5), also with
+//!   memory snapshots on each node (the lost node's pieces come from the copy it kept on the
+//!   other: at most 2k steps recomputed).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -291,9 +293,22 @@ fn launch(
     summary: &Path,
     args: &[String],
 ) -> Child {
-    nodes
-        .kiln_launch(node)
-        .args(["--nnodes", nnodes, "--node-rank", &node.to_string()])
+    launch_command(nodes, node, nnodes, rdzv, summary, args)
+        .spawn()
+        .expect("ip netns exec runs")
+}
+
+/// [`launch`]'s command, not started.
+fn launch_command(
+    nodes: &Nodes,
+    node: usize,
+    nnodes: &str,
+    rdzv: &str,
+    summary: &Path,
+    args: &[String],
+) -> Command {
+    let mut c = nodes.kiln_launch(node);
+    c.args(["--nnodes", nnodes, "--node-rank", &node.to_string()])
         .args(["--nproc-per-node", "2", "--master-addr", &nodes.addr[0]])
         .args(["--master-port", "29700", "--max-restarts", "3"])
         .args(["--restart-backoff", "0.2", "--rdzv-timeout", rdzv])
@@ -304,9 +319,8 @@ fn launch(
         .env("KILN_JOB_TOKEN", "recovery-nodes")
         .env("KILN_COMM_TIMEOUT", "5")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("ip netns exec runs")
+        .stderr(Stdio::piped());
+    c
 }
 
 /// Runs a two-node job of `args` to its end, both launchers; their outputs.
@@ -431,4 +445,81 @@ fn a_node_lost_for_good_leaves_an_elastic_job_to_finish_on_the_other() {
         "shrunk to one node {a} vs uninterrupted {b}"
     );
     eprintln!("one node after the loss: {a}; uninterrupted: {b}");
+}
+
+#[test]
+fn a_node_lost_for_good_restarts_from_the_memory_copy_on_the_other_node() {
+    let Some(nodes) = Nodes::or_skip(13) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    // Disk snapshots every 200 steps; memory ones every 3, each node's own (as machines'
+    // memories are), with a copy of the other node's ranks' pieces.
+    let (steps, every, in_memory) = (400, 200, 3);
+    let reference: PathBuf = tmp.path().join("reference");
+    let mut one = Command::new(KILN);
+    one.args(train_args(&reference, "zero3", steps, every))
+        .args(["--ranks", "4"]);
+    common::run_ok(one);
+
+    let run = tmp.path().join("run");
+    let mut args = train_args(&run, "zero3", steps, every);
+    args.extend(["--memory-snapshot-every".into(), in_memory.to_string()]);
+    let memory = [0, 1].map(|n| tmp.path().join(format!("memory-{n}")));
+    let [node0, node1] = [0, 1].map(|n| {
+        launch_command(
+            &nodes,
+            n,
+            "1:2",
+            "8",
+            &tmp.path().join(format!("s{n}.json")),
+            &args,
+        )
+        .env("KILN_MEMORY_SNAPSHOTS", &memory[n])
+        .spawn()
+        .expect("ip netns exec runs")
+    });
+    // Node 0 holds steps of its own ranks and copies of node 1's.
+    let newest = |dir: &Path| {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                name.strip_prefix(".step-")?
+                    .strip_suffix(".partial")?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .max()
+    };
+    wait_until("memory snapshots", Duration::from_secs(60), || {
+        newest(&memory[0]).is_some_and(|s| s >= 2 * in_memory)
+    });
+    let on_disk = latest_step(&run);
+    for p in descendants(node1.id() as i32) {
+        signal(p, libc::SIGKILL);
+    }
+    let _ = node1.wait_with_output();
+    let out = node0.wait_with_output().unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for line in t.lines().filter(|l| l.starts_with("[kiln launch]")) {
+        println!("{line}");
+    }
+    let s = summary(&tmp.path().join("s0.json"));
+    check_restarts(&s, 1, in_memory as u64);
+    let resumed = s["restarts"][0]["resumed_from"].as_u64().unwrap();
+    println!("on disk when node 1 was lost: {on_disk:?}; resumed at {resumed}");
+    if on_disk.is_none() {
+        assert!(resumed > 0, "resumed from step 0 with memory copies: {s:#}");
+    }
+    assert_eq!(latest_step(&run), Some(steps));
+    let (a, b) = (val_loss(&run), val_loss(&reference));
+    assert!(
+        (a - b).abs() <= 1e-5 * b,
+        "shrunk to one node {a} vs uninterrupted {b}"
+    );
+    println!("one node after the loss: {a}; uninterrupted: {b}");
 }

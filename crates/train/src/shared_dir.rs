@@ -15,9 +15,42 @@ use std::path::Path;
 /// A directory that some rank cannot create or write, one that not every rank sees (naming
 /// what each rank saw), or a failed collective.
 pub fn check_shared(dir: &Path, group: &dyn ProcessGroup) -> Result<()> {
+    let world = group.world_size();
+    let all = probe(dir, group)?;
+    if all.iter().any(|&s| s != world as i64) {
+        let views: Vec<String> = all
+            .iter()
+            .enumerate()
+            .map(|(r, s)| format!("rank {r} sees {s} of {world}"))
+            .collect();
+        fail!(
+            Snapshot,
+            "output directory {} is not one directory shared by every rank ({} ranks' probe \
+             files): every rank writes its part of each snapshot there, so it must be on a \
+             filesystem that every node mounts at the same path (NFS, Lustre, ...); pass such a \
+             directory to --out",
+            dir.display(),
+            views.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Whether every rank of `group` sees the same directory `dir` (as [`check_shared`] checks;
+/// a collective, with the same answer on every rank).
+///
+/// # Errors
+/// A directory that some rank cannot create or write, or a failed collective.
+pub fn is_shared(dir: &Path, group: &dyn ProcessGroup) -> Result<bool> {
+    let world = group.world_size() as i64;
+    Ok(probe(dir, group)?.iter().all(|&s| s == world))
+}
+
+/// How many ranks' probe files each rank sees in `dir`.
+fn probe(dir: &Path, group: &dyn ProcessGroup) -> Result<Vec<i64>> {
     let (rank, world) = (group.rank(), group.world_size());
     if world == 1 {
-        return Ok(());
+        return Ok(vec![1]);
     }
     // A nonce from rank 0, so that the probes of an earlier run are never taken for this one's.
     let mut nonce = [if rank == 0 { nonce() } else { 0i64 }];
@@ -44,23 +77,7 @@ pub fn check_shared(dir: &Path, group: &dyn ProcessGroup) -> Result<()> {
     let _ = std::fs::remove_file(file(rank));
     group.barrier()?;
     let _ = std::fs::remove_dir(&probe);
-    if all.iter().any(|&s| s != world as i64) {
-        let views: Vec<String> = all
-            .iter()
-            .enumerate()
-            .map(|(r, s)| format!("rank {r} sees {s} of {world}"))
-            .collect();
-        fail!(
-            Snapshot,
-            "output directory {} is not one directory shared by every rank ({} ranks' probe \
-             files): every rank writes its part of each snapshot there, so it must be on a \
-             filesystem that every node mounts at the same path (NFS, Lustre, ...); pass such a \
-             directory to --out",
-            dir.display(),
-            views.join(", ")
-        );
-    }
-    Ok(())
+    Ok(all)
 }
 
 fn nonce() -> i64 {

@@ -146,7 +146,7 @@ pub fn share(held: Range<usize>, copies: usize, copy: usize) -> Range<usize> {
     held.start + r.start..held.start + r.end
 }
 
-fn step_dir(step: usize) -> String {
+pub(crate) fn step_dir(step: usize) -> String {
     format!("step-{step:08}")
 }
 
@@ -203,7 +203,7 @@ fn first_save(root: &Path, rank: usize) -> bool {
 }
 
 /// The partial directories (`.step-*.partial`) under `root`.
-fn partial_dirs(root: &Path) -> Vec<PathBuf> {
+pub(crate) fn partial_dirs(root: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(root)
         .into_iter()
         .flatten()
@@ -238,7 +238,15 @@ pub fn flush() -> Result<()> {
     flush_where(|_, _| true)
 }
 
-fn flush_where(select: impl Fn(&Path, usize) -> bool) -> Result<()> {
+/// Hands a write under way (`root`, the rank, its thread) to [`flush`].
+pub(crate) fn pend(root: &Path, rank: usize, handle: JoinHandle<Result<()>>) {
+    PENDING
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push((root.to_path_buf(), rank, handle));
+}
+
+pub(crate) fn flush_where(select: impl Fn(&Path, usize) -> bool) -> Result<()> {
     let mine: Vec<JoinHandle<Result<()>>> = {
         let mut pending = PENDING.lock().unwrap_or_else(PoisonError::into_inner);
         let (mine, rest) = std::mem::take(&mut *pending)
@@ -353,62 +361,70 @@ fn save_as(
     Ok(done)
 }
 
+/// Rank `rank`'s file of a snapshot: its name, its bytes (safetensors, one 1-D f32 tensor per
+/// part) and its index (`rank-NNNNN.json`'s bytes).
+pub(crate) fn serialize(rank: usize, parts: Vec<Part>) -> Result<(String, Vec<u8>, Vec<u8>)> {
+    let file = format!("rank-{rank:05}.safetensors");
+    let mut index = RankIndex {
+        file: file.clone(),
+        bytes: 0,
+        crc32: 0,
+        parts: Vec::new(),
+    };
+    let mut buffers: Vec<(String, Vec<u8>, usize)> = Vec::new();
+    for (i, p) in parts.into_iter().enumerate() {
+        if p.values.is_empty() {
+            continue;
+        }
+        let key = format!("t{i}");
+        index.parts.push((
+            p.name,
+            p.shape,
+            PieceRef {
+                file: file.clone(),
+                key: key.clone(),
+                start: p.start,
+                end: p.start + p.values.len(),
+            },
+        ));
+        let len = p.values.len();
+        buffers.push((key, bytemuck_f32(&p.values), len));
+    }
+    let views: Vec<(String, TensorView)> = buffers
+        .iter()
+        .map(|(k, b, len)| {
+            (
+                k.clone(),
+                TensorView::new(Dtype::F32, vec![*len], b).expect("a 1-D f32 view"),
+            )
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None).map_err(|e| {
+        TrainError::Snapshot(format!("cannot serialise rank {rank}'s snapshot file: {e}"))
+    })?;
+    index.bytes = bytes.len() as u64;
+    index.crc32 = crc32fast::hash(&bytes);
+    let index = serde_json::to_vec(&index).expect("an index serialises");
+    Ok((file, bytes, index))
+}
+
 /// One rank's part of writing one snapshot.
 #[derive(Debug)]
-struct SnapshotWrite {
-    root: PathBuf,
-    meta: Meta,
-    partial: PathBuf,
-    done: PathBuf,
-    rank: usize,
-    world: usize,
-    keep: usize,
+pub(crate) struct SnapshotWrite {
+    pub root: PathBuf,
+    pub meta: Meta,
+    pub partial: PathBuf,
+    pub done: PathBuf,
+    pub rank: usize,
+    pub world: usize,
+    pub keep: usize,
 }
 
 impl SnapshotWrite {
     /// This rank's file and, last, its index (`rank-NNNNN.json`), each atomically.
     fn write_pieces(&self, parts: Vec<Part>) -> Result<()> {
         let rank = self.rank;
-        let file = format!("rank-{rank:05}.safetensors");
-        let mut index = RankIndex {
-            file: file.clone(),
-            bytes: 0,
-            crc32: 0,
-            parts: Vec::new(),
-        };
-        let mut buffers: Vec<(String, Vec<u8>, usize)> = Vec::new();
-        for (i, p) in parts.into_iter().enumerate() {
-            if p.values.is_empty() {
-                continue;
-            }
-            let key = format!("t{i}");
-            index.parts.push((
-                p.name,
-                p.shape,
-                PieceRef {
-                    file: file.clone(),
-                    key: key.clone(),
-                    start: p.start,
-                    end: p.start + p.values.len(),
-                },
-            ));
-            let len = p.values.len();
-            buffers.push((key, bytemuck_f32(&p.values), len));
-        }
-        let views: Vec<(String, TensorView)> = buffers
-            .iter()
-            .map(|(k, b, len)| {
-                (
-                    k.clone(),
-                    TensorView::new(Dtype::F32, vec![*len], b).expect("a 1-D f32 view"),
-                )
-            })
-            .collect();
-        let bytes = safetensors::serialize(views, None).map_err(|e| {
-            TrainError::Snapshot(format!("cannot serialise rank {rank}'s snapshot file: {e}"))
-        })?;
-        index.bytes = bytes.len() as u64;
-        index.crc32 = crc32fast::hash(&bytes);
+        let (file, bytes, index) = serialize(rank, parts)?;
         if abort_requested(self.meta.step, rank) {
             let path = self.partial.join(&file);
             std::fs::File::create(&path)
@@ -424,12 +440,7 @@ impl SnapshotWrite {
             std::process::abort();
         }
         write_atomic(&self.partial.join(&file), &bytes)?;
-        write_atomic(
-            &self.partial.join(format!("rank-{rank:05}.json")),
-            serde_json::to_string(&index)
-                .expect("an index serialises")
-                .as_bytes(),
-        )
+        write_atomic(&self.partial.join(format!("rank-{rank:05}.json")), &index)
     }
 
     /// Rank 0, asynchronously: waits until every rank's index file is there (each is renamed
@@ -460,7 +471,7 @@ impl SnapshotWrite {
 
     /// Rank 0: checks every rank's file, writes the manifest, renames the directory into
     /// place, then points `latest` at it and prunes.
-    fn complete(&self) -> Result<()> {
+    pub(crate) fn complete(&self) -> Result<()> {
         let (partial, done, root) = (&self.partial, &self.done, &self.root);
         let mut manifest = Manifest {
             format: FORMAT,

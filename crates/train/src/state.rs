@@ -45,8 +45,7 @@ fn part_of<B: Backend>(name: String, t: &ShardTensor<B>, world: usize, rank: usi
 /// Writes a snapshot: every rank its part of what it holds. `dp` is the group of ranks that
 /// hold the same parameters (the world, or a pipeline stage's data-parallel ranks); a stage
 /// writes neither the placeholders of other stages' parameters nor its copies of shared ones.
-/// `(root, keep)`: where (the run's `snapshots/`, or its memory snapshots) and how many
-/// snapshots stay there.
+/// `to`: where (the run's `snapshots/`, or its memory snapshots).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn save<B, C, M>(
     model: &M,
@@ -55,7 +54,7 @@ pub(crate) fn save<B, C, M>(
     group: &dyn ProcessGroup,
     dp: &dyn ProcessGroup,
     pipe: Option<&kiln_pipe::Pipeline>,
-    (root, keep): (&Path, usize),
+    to: SaveTo<'_>,
 ) -> Result<PathBuf>
 where
     B: Backend,
@@ -91,7 +90,23 @@ where
         parts.push(part_of(format!("{M1_PREFIX}{path}"), &m1, world, rank));
         parts.push(part_of(format!("{M2_PREFIX}{path}"), &m2, world, rank));
     }
-    snapshot::save(root, meta, parts, group, keep)
+    match to {
+        SaveTo::Here { root, keep } => snapshot::save(root, meta, parts, group, keep),
+        SaveTo::WithPeer { root, peers } => {
+            crate::memory::save_with_peer(root, meta, parts, group, peers)
+        }
+    }
+}
+
+/// Where [`save`] writes.
+pub(crate) enum SaveTo<'a> {
+    /// A snapshot every rank sees (`root`), of which the newest `keep` stay.
+    Here { root: &'a Path, keep: usize },
+    /// This machine's memory snapshots, with a copy on the next machine (ranks on several).
+    WithPeer {
+        root: &'a Path,
+        peers: crate::memory::Peers,
+    },
 }
 
 pub(crate) type Record<B, C> = HashMap<ParamId, AdaptorRecord<AdamW, Train<B, C>>>;

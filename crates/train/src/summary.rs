@@ -15,6 +15,9 @@ pub struct RunOptions {
     /// Stop after this step, with a snapshot (a job that must fit a time slot: the next job
     /// resumes). The schedule stays that of `train.steps`.
     pub stop_after: Option<usize>,
+    /// A restart of a job (by `kiln launch --max-restarts`): continue from the newest snapshot
+    /// if there is one (on disk, or in memory), else start afresh.
+    pub restart: bool,
 }
 
 /// What a rank's run did.

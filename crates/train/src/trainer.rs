@@ -21,7 +21,7 @@ use crate::pipelined::{pipe_evaluate, pipe_last_logits, pipe_step};
 use crate::recipe::TokenizerSource;
 use crate::report::{Event, Log, Progress, Report, Resumed, RunInfo};
 use crate::snapshot::{self, Meta, Snapshot};
-use crate::state::{load_optimizer, load_params, save};
+use crate::state::{SaveTo, load_optimizer, load_params, save};
 use crate::summary::{RankMemory, RunOptions, Summary, gather_memory, memory_json};
 use crate::trained::{Adapters, Full, Trained};
 use burn::backend::autodiff::checkpoint::strategy::{
@@ -41,7 +41,7 @@ use kiln_shard::account::{MemKind, StepMemory};
 use kiln_shard::{LossScale, Shard, ShardConfig, ShardedOptimizer, StepConfig, StepStats, Train};
 use kiln_zoo::{ModelConfig, with_model_type};
 use std::marker::PhantomData;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -205,6 +205,8 @@ pub(crate) struct Trainer<'a, B: Backend, C: CheckpointStrategy, P: Trained<B, C
     metrics: Metrics,
     /// What the run did so far.
     done: Done,
+    /// With memory snapshots on several machines: where this rank's copy goes.
+    memory_peers: Option<memory::Peers>,
 }
 
 /// What a run accumulates, step by step.
@@ -246,7 +248,7 @@ where
         } = job;
         let plan = parallel_plan(recipe);
         let mesh = Mesh::new(group.clone(), &plan)?;
-        let resume_from = prepare_dir(recipe, &config, group.as_ref(), options)?;
+        let (resume_from, memory_peers) = prepare_dir(recipe, &config, group.as_ref(), options)?;
         let t = &recipe.train;
         let corpus = Corpus::from_recipe(&recipe.data, t.seed, t.seq_len, tokenizer)?;
         let rows = t.batch_size / mesh.dp.world_size() / recipe.parallel.microbatches.max(1);
@@ -316,6 +318,7 @@ where
             last_step,
             metrics,
             done: Done::default(),
+            memory_peers,
         };
         let info = trainer.info(params, trains, resume_from.as_ref());
         trainer.report(Event::Started(&info));
@@ -536,9 +539,20 @@ where
     /// `snapshots/` or (`in_memory`) to this machine's memory, where only the newest stays.
     fn snapshot(&mut self, step: usize, in_memory: bool) -> Result<()> {
         let recipe = self.recipe;
-        let (root, keep) = match in_memory {
-            true => (memory::root(&recipe.output.dir), 1),
-            false => (recipe.output.dir.join("snapshots"), recipe.output.keep),
+        let root = match in_memory {
+            true => memory::root(&recipe.output.dir),
+            false => recipe.output.dir.join("snapshots"),
+        };
+        let to = match (in_memory, self.memory_peers) {
+            (true, Some(peers)) => SaveTo::WithPeer { root: &root, peers },
+            (true, None) => SaveTo::Here {
+                root: &root,
+                keep: 1,
+            },
+            (false, _) => SaveTo::Here {
+                root: &root,
+                keep: recipe.output.keep,
+            },
         };
         let meta = Meta {
             step,
@@ -558,7 +572,7 @@ where
             self.mesh.world.as_ref(),
             self.mesh.dp.as_ref(),
             self.pipe.as_ref(),
-            (&root, keep),
+            to,
         )?;
         if !in_memory {
             self.report(Event::Saved { step, dir: &dir });
@@ -579,7 +593,7 @@ where
         // goes back (once every rank's writes are done).
         if self.recipe.output.memory_snapshot_every > 0 && last_step == t.steps {
             self.mesh.world.barrier()?;
-            if self.mesh.world.rank() == 0 {
+            if machine_leader(self.mesh.world.as_ref()) {
                 let memory = memory::root(&self.recipe.output.dir);
                 std::fs::remove_dir_all(&memory)
                     .io(|| format!("cannot remove {}", memory.display()))?;
@@ -757,38 +771,43 @@ fn prepare_dir(
     config: &ModelConfig,
     group: &dyn ProcessGroup,
     options: RunOptions,
-) -> Result<Option<Snapshot>> {
+) -> Result<(Option<Snapshot>, Option<memory::Peers>)> {
     let out = &recipe.output.dir;
     let snapshots = out.join("snapshots");
-    // The memory's snapshots count only where the recipe keeps them (every rank then sees them).
-    let in_memory = recipe.output.memory_snapshot_every > 0;
-    let memory = memory::root(out);
-    let existing = memory::newest_snapshot(recipe)?;
+    let fresh = options.overwrite && !options.resume;
     if group.rank() == 0 {
         std::fs::create_dir_all(&snapshots)
             .io(|| format!("cannot create {}", snapshots.display()))?;
-        if existing.is_some() && !options.resume && options.overwrite {
+        if fresh {
             std::fs::remove_dir_all(&snapshots)
                 .and_then(|()| std::fs::create_dir_all(&snapshots))
                 .io(|| format!("cannot clear {}", snapshots.display()))?;
-        }
-        if !options.resume && options.overwrite && memory.exists() {
-            std::fs::remove_dir_all(&memory).io(|| format!("cannot clear {}", memory.display()))?;
         }
         std::fs::write(out.join("recipe.toml"), recipe.to_toml())
             .io(|| format!("cannot write {}", out.join("recipe.toml").display()))?;
     }
     // Every rank writes snapshots there: a directory some rank does not see is named now.
     crate::shared_dir::check_shared(out, group)?;
-    if in_memory {
-        group.barrier()?;
-        std::fs::create_dir_all(&memory).io(|| format!("cannot create {}", memory.display()))?;
-        crate::shared_dir::check_shared(&memory, group).map_err(|e| {
-            TrainError::Snapshot(format!(
-                "output.memory_snapshot_every needs every rank on one machine (a copy on                  another node is not made): {e}"
-            ))
-        })?;
+    let memory = memory::root(out);
+    let peers = match recipe.output.memory_snapshot_every > 0 {
+        true => memory_setup(&memory, group, fresh)?,
+        false => None,
+    };
+    // A start after a failure first makes the newest memory snapshot that machines hold
+    // between them (written while the ranks were on several) a disk snapshot; the job may be
+    // on one machine now.
+    if recipe.output.memory_snapshot_every > 0
+        && (options.resume || options.restart)
+        && let Some(step) = memory::promote(&memory, &snapshots, group, recipe.output.keep)?
+    {
+        tracing::info!("the memory snapshot of step {step}, held by the machines, is now on disk");
     }
+    let existing = memory::newest_snapshot(recipe)?;
+    // A restart continues from the newest snapshot if there is one.
+    let options = RunOptions {
+        resume: options.resume || options.restart && existing.is_some(),
+        ..options
+    };
     if let Some(newest) = &existing
         && !options.resume
         && !options.overwrite
@@ -827,5 +846,51 @@ fn prepare_dir(
         false => None,
     };
     group.barrier()?;
-    Ok(resume_from)
+    Ok((resume_from, peers))
+}
+
+/// Memory snapshots' directory made (and cleared on a fresh start, each machine its own):
+/// `None` when every rank sees it (one machine), else this rank's peers on the machines
+/// beside (`memory::save_with_peer`).
+fn memory_setup(
+    memory: &Path,
+    group: &dyn ProcessGroup,
+    fresh: bool,
+) -> Result<Option<memory::Peers>> {
+    if fresh && machine_leader(group) && memory.exists() {
+        std::fs::remove_dir_all(memory).io(|| format!("cannot clear {}", memory.display()))?;
+    }
+    group.barrier()?;
+    std::fs::create_dir_all(memory).io(|| format!("cannot create {}", memory.display()))?;
+    if crate::shared_dir::is_shared(memory, group)? {
+        return Ok(None);
+    }
+    let (world, local) = (group.world_size(), local_world_size());
+    if local == 0 || !world.is_multiple_of(local) || world / local < 2 {
+        fail!(
+            Snapshot,
+            "output.memory_snapshot_every with ranks on several machines needs as many ranks \
+             on each (LOCAL_WORLD_SIZE, as kiln launch sets it, is {local}; {world} ranks)"
+        );
+    }
+    Ok(Some(memory::peers(group.rank(), world, local)))
+}
+
+/// Ranks on this machine (`LOCAL_WORLD_SIZE`, which `kiln launch` sets; 0 when unknown).
+fn local_world_size() -> usize {
+    std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether this rank acts for its machine (`LOCAL_RANK` 0; rank 0 without a launcher).
+fn machine_leader(group: &dyn ProcessGroup) -> bool {
+    match std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        Some(local) => local == 0,
+        None => group.rank() == 0,
+    }
 }

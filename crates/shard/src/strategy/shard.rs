@@ -137,7 +137,7 @@ where
         && (shard_group.world_size() != shard_size || replicate_group.is_none())
     {
         return Err(ShardError::Config(format!(
-            "hybrid:{shard_size} needs sharding groups of {shard_size} ranks and a replicate              group, got sharding groups of {} ranks{}",
+            "hybrid:{shard_size} needs sharding groups of {shard_size} ranks and a replicate group, got sharding groups of {} ranks{}",
             shard_group.world_size(),
             if replicate_group.is_none() {
                 " and no replicate group"

@@ -35,6 +35,7 @@ pub fn run(r: &Recipe, ranks: usize, resume: bool, stop_after: Option<usize>) ->
         resume,
         overwrite: !resume,
         stop_after,
+        restart: false,
     };
     train_threads::<Flex>(r, ranks, options).unwrap()
 }
