@@ -28,7 +28,8 @@
 #   KILN=target/release/kiln  SOAK_DIR=/tmp/kiln-soak-PID  SOAK_SEED=1  SOAK_STEPS=5000
 #   SOAK_EVERY=10 (snapshot interval)  SOAK_JOBS="one two"  SOAK_RECOVERY_LIMIT=120
 #   SOAK_MEMORY_EVERY=0 (k > 0: also a snapshot in memory every k steps, --memory-snapshot-every;
-#   the steps recomputed are then checked against k)
+#   the steps recomputed are then checked against k; in the 2-node job each node's memory is a
+#   directory of its own, so a node's pieces come back from the copy on the other)
 set -uo pipefail
 
 FAILURES=${1:-100}
@@ -223,6 +224,9 @@ if [[ " $JOBS " == *" two "* ]]; then
         node() { # NS NODE_RANK OUT LOG [restart flags...]
             local ns=$1 nr=$2 out=$3 log=$4
             shift 4
+            # Each node's memory snapshots in a directory of its own, as machines' memories
+            # are (the namespaces share one /dev/shm): the copies across nodes are exercised.
+            KILN_MEMORY_SNAPSHOTS=$out.memory-$nr \
             KILN_JOB_TOKEN=soak-$$ KILN_COMM_TIMEOUT=$COMM ip netns exec "$ns" "$KILN" launch \
                 --nnodes 2 --node-rank "$nr" --nproc-per-node 2 --master-addr 10.203.9.1 \
                 --master-port 29650 "$@" -- "$KILN" $(train_args "$out") >"$log" 2>&1
