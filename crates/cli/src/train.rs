@@ -322,27 +322,24 @@ fn restart_count() -> Result<usize> {
 /// The options of this start of the run: a restart by `kiln launch` continues from the latest
 /// complete snapshot, or starts afresh when the job failed before writing one (the snapshots
 /// are then never deleted: `--overwrite` applied to the first start only).
-fn run_options(recipe: &Recipe, args: &TrainArgs, restart: usize) -> Result<RunOptions> {
+fn run_options(args: &TrainArgs, restart: usize) -> RunOptions {
     if restart == 0 {
-        return Ok(RunOptions {
+        return RunOptions {
             resume: args.resume,
             overwrite: args.overwrite,
             stop_after: args.stop_after,
             restart: false,
-        });
+        };
     }
     // A restart continues from the newest snapshot (made from the machines' memory snapshots
     // first, with ranks on several), else starts afresh: `kiln_train` decides once the ranks
-    // meet.
-    let latest = kiln_train::memory::newest_snapshot(recipe)?;
-    Ok(RunOptions {
-        resume: latest.is_some(),
+    // meet, the same on every rank.
+    RunOptions {
+        resume: false,
         overwrite: false,
         stop_after: args.stop_after,
-        // Memory snapshots of ranks on several machines become a disk snapshot only once the
-        // ranks meet: the run then resumes if there is one.
         restart: true,
-    })
+    }
 }
 
 fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
@@ -353,7 +350,7 @@ fn run(recipe: &Recipe, args: &TrainArgs) -> Result<()> {
     );
     let launched = kiln_comm::LaunchEnv::launched();
     let restart = if launched { restart_count()? } else { 0 };
-    let options = run_options(recipe, args, restart)?;
+    let options = run_options(args, restart);
     if launched {
         let env = kiln_comm::LaunchEnv::from_env()?;
         let group = kiln_comm::join(

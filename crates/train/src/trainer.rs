@@ -802,7 +802,12 @@ fn prepare_dir(
     {
         tracing::info!("the memory snapshot of step {step}, held by the machines, is now on disk");
     }
-    let existing = memory::newest_snapshot(recipe)?;
+    // On several machines only the disk's count (each machine's memory may hold snapshots of
+    // its own from a time the job ran on it alone: the ranks would disagree).
+    let existing = match peers {
+        Some(_) => snapshot::latest(&snapshots)?,
+        None => memory::newest_snapshot(recipe)?,
+    };
     // A restart continues from the newest snapshot if there is one.
     let options = RunOptions {
         resume: options.resume || options.restart && existing.is_some(),
