@@ -266,6 +266,21 @@ fn assert_close(what: &str, a: &[f64], b: &[f64], tol: f64) {
     println!("{what}: {} values, largest difference {worst:.2e}", a.len());
 }
 
+/// The train and valid losses of both epochs of the run in `dir` equal those in `one` within
+/// 1e-5 (written once: one line per batch).
+fn same_losses(what: &str, dir: &Path, one: &Path) {
+    for epoch in 1..=2 {
+        for split in ["train", "valid"] {
+            assert_close(
+                &format!("{what}, {split} losses, epoch {epoch}"),
+                &logged(dir, split, epoch),
+                &logged(one, split, epoch),
+                1e-5,
+            );
+        }
+    }
+}
+
 fn weights<B: Backend>(m: &Mlp<B>) -> Vec<f64> {
     values::<B, _>(m).into_iter().map(f64::from).collect()
 }
@@ -307,21 +322,7 @@ fn ranks_as_threads_equal_one_rank_under_every_strategy() {
         let dir = fresh(&format!("{strategy:?}-{ranks}"));
         let model = program::<K>(&dir, 2, None, Some(kiln(ranks, strategy)));
         let what = format!("{strategy:?} x{ranks} vs 1 rank");
-        for epoch in 1..=2 {
-            // Written once: one line per batch (3 training, 2 validation batches).
-            assert_close(
-                &format!("{what}, train losses, epoch {epoch}"),
-                &logged(&dir, "train", epoch),
-                &logged(&one, "train", epoch),
-                1e-5,
-            );
-            assert_close(
-                &format!("{what}, valid losses, epoch {epoch}"),
-                &logged(&dir, "valid", epoch),
-                &logged(&one, "valid", epoch),
-                1e-5,
-            );
-        }
+        same_losses(&what, &dir, &one);
         assert_close(
             &format!("{what}, weights"),
             &weights(&model),
@@ -351,16 +352,7 @@ fn sync_batch_norm_ranks_equal_one_rank_also_with_uneven_batches() {
         ));
         let model = program_norm::<K>(&dir, 2, None, Some(sync), 5, true);
         let what = format!("sync BatchNorm, {strategy:?} x{ranks} vs 1 rank");
-        for epoch in 1..=2 {
-            for split in ["train", "valid"] {
-                assert_close(
-                    &format!("{what}, {split} losses, epoch {epoch}"),
-                    &logged(&dir, split, epoch),
-                    &logged(&one, split, epoch),
-                    1e-5,
-                );
-            }
-        }
+        same_losses(&what, &dir, &one);
         // Parameters and running statistics.
         assert_close(
             &format!("{what}, weights"),

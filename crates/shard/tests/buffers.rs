@@ -207,6 +207,14 @@ fn train_model(
     })
 }
 
+/// Every strategy, on 2 ranks (hybrid: 2 groups of 2).
+const LAYOUTS: [(Strategy, usize); 4] = [
+    (Strategy::Ddp, 2),
+    (Strategy::Zero2, 2),
+    (Strategy::Zero3, 2),
+    (Strategy::Hybrid { shard_size: 2 }, 4),
+];
+
 fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
     a.len() == b.len()
         && a.iter()
@@ -242,16 +250,7 @@ fn every_strategy_ends_with_equal_statistics_by_policy() {
         .zip(&local[1].0)
         .map(|(a, b)| (a + b) / 2.0)
         .collect();
-    for strategy in [
-        Strategy::Ddp,
-        Strategy::Zero2,
-        Strategy::Zero3,
-        Strategy::Hybrid { shard_size: 2 },
-    ] {
-        let world = match strategy {
-            Strategy::Hybrid { .. } => 4,
-            _ => 2,
-        };
+    for (strategy, world) in LAYOUTS {
         let runs = train(world, strategy, BufferPolicy::Broadcast, 3);
         for (rank, (stats, whole)) in runs.iter().enumerate() {
             assert!(
@@ -335,16 +334,7 @@ fn sync_batch_norm_trains_the_model_one_device_trains_on_the_whole_batch() {
         "per-rank statistics should differ from one device's ({apart})"
     );
     eprintln!("mean policy x2: model {apart:.2e} from one device");
-    for strategy in [
-        Strategy::Ddp,
-        Strategy::Zero2,
-        Strategy::Zero3,
-        Strategy::Hybrid { shard_size: 2 },
-    ] {
-        let world = match strategy {
-            Strategy::Hybrid { .. } => 4,
-            _ => 2,
-        };
+    for (strategy, world) in LAYOUTS {
         let runs = train_model(
             world,
             strategy,

@@ -12,8 +12,9 @@
 //!
 //! Where: `$KILN_MEMORY_SNAPSHOTS` if set, else `/dev/shm/kiln-<user>-<hash of the run
 //! directory>` (the system's temporary directory where there is no `/dev/shm`), so a run and
-//! its restarts find the same one. Every rank must be on this machine (checked at the start):
-//! a copy on another node, to survive losing this one, is not made.
+//! its restarts find the same one. With ranks on several machines, each machine also keeps a
+//! copy of the machine before's pieces, and a restart first makes the newest step the machines
+//! hold between them a disk snapshot ([`save_with_peer`], [`promote`]).
 
 use crate::Recipe;
 use crate::error::{IoContext, Result, TrainError, fail};
@@ -45,19 +46,15 @@ pub fn root(out: &Path) -> PathBuf {
 ///
 /// # Errors
 /// A `latest` pointer naming a snapshot that does not exist.
-pub fn newest_snapshot(recipe: &Recipe) -> Result<Option<PathBuf>> {
+pub(crate) fn newest_snapshot(recipe: &Recipe) -> Result<Option<PathBuf>> {
     let out = &recipe.output.dir;
     let disk = snapshot::latest(&out.join("snapshots"))?;
     let memory = match recipe.output.memory_snapshot_every > 0 {
         true => snapshot::latest(&root(out))?,
         false => None,
     };
-    let step = |d: &PathBuf| {
-        d.file_name()
-            .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse::<usize>().ok())
-    };
     Ok(match (disk, memory) {
-        (Some(d), Some(m)) if step(&m) > step(&d) => Some(m),
+        (Some(d), Some(m)) if snapshot::step_of(&m) > snapshot::step_of(&d) => Some(m),
         (Some(d), _) => Some(d),
         (None, m) => m,
     })
@@ -230,35 +227,27 @@ pub fn promote(
     let world = group.world_size();
     let mut all = vec![0i64; world * mine.len()];
     group.all_gather(BufRef::I64(&mine), BufMut::I64(&mut all))?;
-    let slots = |r: usize| {
-        all[r * mine.len()..(r + 1) * mine.len()]
-            .chunks(SLOT)
-            .filter(|s| s[0] > 0)
-            .map(|s| ((s[0] - 1) as usize, s[1] as usize, &s[2..]))
-            .collect::<Vec<_>>()
-    };
-    let holds = |bits: &[i64], q: usize| bits[q / 64] >> (q % 64) & 1 == 1;
-    let on_disk = snapshot::latest(disk)?.and_then(|d| {
-        d.file_name()?
-            .to_str()?
-            .strip_prefix("step-")?
-            .parse::<usize>()
-            .ok()
-    });
-    let mut steps: Vec<usize> = (0..world)
-        .flat_map(|r| slots(r).into_iter().map(|(s, _, _)| s))
+    // Every machine's holdings as the ranks reported them: (rank, step, world size, bitmap).
+    let held: Vec<(usize, usize, usize, &[i64])> = all
+        .chunks(mine.len())
+        .enumerate()
+        .flat_map(|(r, row)| {
+            row.chunks(SLOT)
+                .filter(|s| s[0] > 0)
+                .map(move |s| (r, (s[0] - 1) as usize, s[1] as usize, &s[2..]))
+        })
         .collect();
+    let holds = |bits: &[i64], q: usize| bits[q / 64] >> (q % 64) & 1 == 1;
+    let on_disk = snapshot::latest(disk)?.and_then(|d| snapshot::step_of(&d));
+    let mut steps: Vec<usize> = held.iter().map(|h| h.1).collect();
     steps.sort_unstable();
     steps.dedup();
     // The newest step that every old rank's pieces cover, with its meta somewhere.
     let chosen = steps.into_iter().rev().find_map(|step| {
-        let entries: Vec<(usize, usize, &[i64])> = (0..world)
-            .flat_map(|r| {
-                slots(r)
-                    .into_iter()
-                    .filter(|(s, _, _)| *s == step)
-                    .map(move |(_, w, bits)| (r, w, bits))
-            })
+        let entries: Vec<(usize, usize, &[i64])> = held
+            .iter()
+            .filter(|h| h.1 == step)
+            .map(|&(r, _, w, bits)| (r, w, bits))
             .collect();
         let old = entries.iter().map(|(_, w, _)| *w).max()?;
         let covered =

@@ -150,6 +150,15 @@ pub(crate) fn step_dir(step: usize) -> String {
     format!("step-{step:08}")
 }
 
+/// The step of a snapshot directory (`step-NNNNNNNN`), from its name.
+pub(crate) fn step_of(dir: &Path) -> Option<usize> {
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse()
+        .ok()
+}
+
 /// Writes `bytes` to `path` atomically: a temporary file, synced, renamed over `path`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
@@ -574,8 +583,7 @@ pub fn list(root: &Path) -> Vec<(usize, PathBuf)> {
         .flatten()
         .flatten()
         .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let step = name.strip_prefix("step-")?.parse().ok()?;
+            let step = step_of(&e.path())?;
             e.path().join(MANIFEST).exists().then(|| (step, e.path()))
         })
         .collect();

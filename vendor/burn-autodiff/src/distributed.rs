@@ -1,4 +1,5 @@
 use std::any::{Any, TypeId};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{OnceLock, RwLock};
 
 use crate::collections::HashMap;
@@ -51,17 +52,22 @@ pub fn register_distributed<B: DistributedBackend>() {
     registry()
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .insert(TypeId::of::<B>(), Box::new(hooks));
+        .insert(TypeId::of::<Hooks<B>>(), Box::new(hooks));
+}
+
+/// The hooks of type `H` registered (keyed by `H`'s type, which names its backend).
+fn registered<H: Copy + 'static>() -> Option<H> {
+    registry()
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&TypeId::of::<H>())
+        .and_then(|h| h.downcast_ref::<H>())
+        .copied()
 }
 
 /// `B`'s hooks, if registered.
 pub fn hooks<B: Backend>() -> Option<Hooks<B>> {
-    registry()
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&TypeId::of::<B>())
-        .and_then(|h| h.downcast_ref::<Hooks<B>>())
-        .copied()
+    registered::<Hooks<B>>()
 }
 
 /// A backend's batch-statistics hooks (added for kiln, see KILN-PATCH.md): a `mean_dim` whose
@@ -84,23 +90,25 @@ impl<B: Backend> Clone for BatchMean<B> {
 
 impl<B: Backend> Copy for BatchMean<B> {}
 
+/// Whether any backend registered batch-statistics hooks: every other backend's `mean_dim`
+/// skips the registry.
+static BATCH_MEAN: AtomicBool = AtomicBool::new(false);
+
 /// Registers `B`'s batch-statistics hooks. Idempotent.
 pub fn register_batch_mean<B: Backend>(hooks: BatchMean<B>) {
     registry()
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .insert(TypeId::of::<BatchMean<B>>(), Box::new(hooks));
+    BATCH_MEAN.store(true, Ordering::Release);
 }
 
 /// Whether the `mean_dim` `B` just computed was over a group: the factor for its backward.
 pub fn take_synced_mean<B: Backend>() -> Option<f64> {
-    let hooks = registry()
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&TypeId::of::<BatchMean<B>>())
-        .and_then(|h| h.downcast_ref::<BatchMean<B>>())
-        .copied()?;
-    (hooks.take)()
+    if !BATCH_MEAN.load(Ordering::Acquire) {
+        return None;
+    }
+    (registered::<BatchMean<B>>()?.take)()
 }
 
 /// The backward of a synced mean's incoming gradient (see [`BatchMean::grad`]).
@@ -111,12 +119,7 @@ pub fn synced_mean_grad<B: Backend>(
     grad: B::FloatTensorPrimitive,
     factor: f64,
 ) -> B::FloatTensorPrimitive {
-    let hooks = registry()
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&TypeId::of::<BatchMean<B>>())
-        .and_then(|h| h.downcast_ref::<BatchMean<B>>())
-        .copied()
+    let hooks = registered::<BatchMean<B>>()
         .expect("a synced mean's backend registered its batch-statistics hooks");
     (hooks.grad)(grad, factor)
 }

@@ -159,7 +159,7 @@ use burn::train::{
 };
 use kiln_comm::{GroupOptions, LaunchEnv, ProcessGroup};
 use kiln_shard::Train;
-use rank::{Feed, Lead, Model, RankJob, TrainInput, ValidInput};
+use rank::{Feed, Lead, Model, RankJob, TrainInput, Training, ValidInput};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -411,9 +411,11 @@ where
                     ),
                     _ => (None, Some(event_processor)),
                 };
-                let (model, lead) = job(learner, Feed::Own(train), Feed::Own(valid), lead)
-                    .run(group.clone())
-                    .unwrap_or_else(|e| failed(e));
+                let (model, lead) = Training::run(
+                    job(learner, Feed::Own(train), Feed::Own(valid), lead),
+                    group.clone(),
+                )
+                .unwrap_or_else(|e| failed(e));
                 let processor = lead
                     .map(|l| l.processor)
                     .or(processor)
@@ -461,7 +463,7 @@ where
                         .unwrap_or_else(PoisonError::into_inner)
                         .take()
                         .expect("one job per rank");
-                    job.run(Arc::new(group))
+                    Training::run(job, Arc::new(group))
                 })
                 .unwrap_or_else(|e| failed(e.into()));
                 let mut first = None;

@@ -211,7 +211,41 @@ fn describe(rows: Option<usize>) -> String {
     }
 }
 
-impl<B, C, LC> RankJob<B, C, LC>
+/// Whether training goes on after an epoch's batches.
+#[derive(Debug, PartialEq, Eq)]
+enum Epochs {
+    Continue,
+    /// A rank's interrupter stopped it (every rank stops).
+    Interrupted,
+}
+
+/// A rank's training in progress: what the parts of the epoch loop share.
+pub(crate) struct Training<B: Backend, C: CheckpointStrategy, LC: LearningComponentsTypes> {
+    group: Arc<dyn ProcessGroup>,
+    rank: usize,
+    world: usize,
+    device: B::Device,
+    /// The parallelized model (its shards under ZeRO-3); taken only by the optimizer's step.
+    model: Option<Model<LC>>,
+    optim: LearnerOptim<LC>,
+    config: StepConfig,
+    /// Rank 0's event processor, checkpointer and early stopping.
+    lead: Option<Lead<LC>>,
+    store: Arc<EventStoreClient>,
+    interrupter: Interrupter,
+    accumulation: Option<usize>,
+    /// Optimizer steps taken.
+    steps: usize,
+    _checkpointing: std::marker::PhantomData<C>,
+}
+
+/// Gradients accumulated over batches (`accumulation`).
+struct Accumulated<LC: LearningComponentsTypes> {
+    grads: GradientsAccumulator<Model<LC>>,
+    batches: usize,
+}
+
+impl<B, C, LC> Training<B, C, LC>
 where
     B: Backend,
     C: CheckpointStrategy,
@@ -223,9 +257,10 @@ where
     OptimRecord<LC>: StateRecord<Train<B, C>> + Send,
     burn::train::Learner<LC>: Send,
 {
-    /// Trains; returns the whole model (every rank) and rank 0's lead back.
+    /// Trains `job` on this rank of `group`; returns the whole model (every rank) and rank 0's
+    /// lead back.
     pub fn run(
-        self,
+        job: RankJob<B, C, LC>,
         group: Arc<dyn ProcessGroup>,
     ) -> Result<(Model<LC>, Option<Lead<LC>>), LearnerError> {
         let RankJob {
@@ -241,7 +276,7 @@ where
             accumulation,
             plan,
             figures,
-        } = self;
+        } = job;
         let device: B::Device = Default::default();
         let mesh = Mesh::new(group.clone(), &plan)?;
         let parallel = parallelize::<B, C, Model<LC>, Whole, NoStages>(
@@ -289,54 +324,7 @@ where
         }
         t.finish(&figures)
     }
-}
 
-/// Whether training goes on after an epoch's batches.
-#[derive(Debug, PartialEq, Eq)]
-enum Epochs {
-    Continue,
-    /// A rank's interrupter stopped it (every rank stops).
-    Interrupted,
-}
-
-/// A rank's training in progress: what the parts of the epoch loop share.
-struct Training<B: Backend, C: CheckpointStrategy, LC: LearningComponentsTypes> {
-    group: Arc<dyn ProcessGroup>,
-    rank: usize,
-    world: usize,
-    device: B::Device,
-    /// The parallelized model (its shards under ZeRO-3); taken only by the optimizer's step.
-    model: Option<Model<LC>>,
-    optim: LearnerOptim<LC>,
-    config: StepConfig,
-    /// Rank 0's event processor, checkpointer and early stopping.
-    lead: Option<Lead<LC>>,
-    store: Arc<EventStoreClient>,
-    interrupter: Interrupter,
-    accumulation: Option<usize>,
-    /// Optimizer steps taken.
-    steps: usize,
-    _checkpointing: std::marker::PhantomData<C>,
-}
-
-/// Gradients accumulated over batches (`accumulation`).
-struct Accumulated<LC: LearningComponentsTypes> {
-    grads: GradientsAccumulator<Model<LC>>,
-    batches: usize,
-}
-
-impl<B, C, LC> Training<B, C, LC>
-where
-    B: Backend,
-    C: CheckpointStrategy,
-    LC: LearningComponentsTypes<Backend = Train<B, C>>,
-    TrainInput<LC>: Split + Send,
-    <Model<LC> as TrainStep>::Output: Gather,
-    ValidInput<LC>: Split + Send,
-    <LC::InferenceModel as InferenceStep>::Output: Gather,
-    OptimRecord<LC>: StateRecord<Train<B, C>> + Send,
-    burn::train::Learner<LC>: Send,
-{
     fn model(&self) -> &Model<LC> {
         self.model.as_ref().expect("the model between steps")
     }

@@ -1986,19 +1986,26 @@ impl<B: Backend, C: CheckpointStrategy> FloatTensorOps<Self> for Autodiff<B, C> 
             }
         }
 
-        let shape = tensor.primitive.shape();
-        let out = B::float_mean_dim(tensor.primitive, dim);
+        // kiln: whether the backend took this mean over a group, asked right after it.
         #[cfg(feature = "distributed")]
-        let synced = crate::distributed::take_synced_mean::<B>();
+        let synced = crate::distributed::take_synced_mean::<B>;
         #[cfg(not(feature = "distributed"))]
-        let synced = None;
+        let synced = || None;
         match MeanDim
             .prepare::<C>([tensor.node])
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish((shape, dim, synced), out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
+            OpsKind::Tracked(prep) => {
+                let shape = tensor.primitive.shape();
+                let out = B::float_mean_dim(tensor.primitive, dim);
+                prep.finish((shape, dim, synced()), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                let out = B::float_mean_dim(tensor.primitive, dim);
+                let _ = synced();
+                prep.finish(out)
+            }
         }
     }
 

@@ -22,49 +22,36 @@
 //! outside a step's scope (evaluation, a model not sharded with the policy) nothing changes.
 
 use crate::core::backend::Shard;
-use crate::core::host::{collective_failed, read, write};
+use crate::core::dtype::widen;
+use crate::core::host::{Host, collective_failed, read, write};
 use crate::core::scope;
 use crate::core::scope::BatchPattern as Seen;
-use crate::core::tensor::ShardTensor;
+use crate::core::tensor::{Prim, ShardTensor};
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, TensorData, TensorMetadata};
+use burn_backend::{Backend, DType, TensorMetadata};
 use burn_std::Shape;
-use kiln_comm::{BufMut, ReduceOp};
+use kiln_comm::{BufMut, ProcessGroup, ReduceOp};
 
-fn set(seen: Seen) {
-    scope::set_batch_pattern(seen);
-}
-
-/// Called by every op the pattern does not continue: forgets what was seen.
+/// Called by every whole-tensor op, which the pattern does not continue: forgets what was seen.
 pub(crate) fn reset() {
     if scope::has_batch_group() {
-        set(Seen::Nothing);
+        scope::set_batch_pattern(Seen::Nothing);
     }
 }
 
-/// `swap_dims(dim1, dim2)` gave `out`.
+/// `swap_dims(dim1, dim2)` gave `out` (the caller checked that a batch group is set).
 pub(crate) fn on_swap(out: &Shape, dim1: usize, dim2: usize) {
-    if !scope::has_batch_group() {
-        return;
-    }
     let swapped = matches!((dim1, dim2), (0, 1) | (1, 0)) && out.num_dims() >= 2;
-    set(match swapped {
+    scope::set_batch_pattern(match swapped {
         true => Seen::Swapped(out.as_slice().to_vec()),
         false => Seen::Nothing,
     });
 }
 
-/// What was seen before an op (which may itself reset it), for [`on_reshape`].
-pub(crate) fn seen() -> Option<Seen> {
-    scope::has_batch_group().then(scope::batch_pattern)
-}
-
-/// `reshape` of a tensor of shape `input` to `out`, `before` it [`seen`].
-pub(crate) fn on_reshape(before: Option<Seen>, input: &Shape, out: &Shape) {
-    let Some(before) = before else {
-        return;
-    };
-    let next = match &before {
+/// `reshape` of a tensor of shape `input` to `out`, `before` being what was seen before it
+/// (the reshape itself may reset it; the caller checked that a batch group is set).
+pub(crate) fn on_reshape(before: Seen, input: &Shape, out: &Shape) {
+    let next = match before {
         Seen::Swapped(shape)
             if shape.as_slice() == input.as_slice()
                 && out.num_dims() == 2
@@ -75,7 +62,17 @@ pub(crate) fn on_reshape(before: Option<Seen>, input: &Shape, out: &Shape) {
         }
         _ => Seen::Nothing,
     };
-    set(next);
+    scope::set_batch_pattern(next);
+}
+
+/// `t` summed over `group` (through the host, in f32, so that no rank's sum is rounded to a
+/// narrower dtype); an f32 tensor. `what` names the collective in a failure.
+fn summed<B: Backend>(t: Prim<B>, group: &dyn ProcessGroup, what: &str) -> Prim<B> {
+    let (shape, device) = (t.shape(), B::float_device(&t));
+    let mut host = Host::from_data(read::<B>(widen::<B>(t, DType::F32)));
+    scope::waiting(|| group.all_reduce(host.buf_mut(), ReduceOp::Sum))
+        .unwrap_or_else(|e| collective_failed(what, &shape, group, e));
+    write::<B>(host.into_data(shape), &device, DType::F32)
 }
 
 /// `mean_dim(tensor, dim)` over the batch group, if the pattern is complete; the tensor back
@@ -96,26 +93,19 @@ pub(crate) fn mean_dim<B: Backend>(
         Seen::Flat(flat) if dim == 1 && shape.as_slice() == flat => {}
         _ => return Err(tensor),
     }
-    let [channels, rows] = [shape[0], shape[1]];
+    let rows = shape[1];
     let t = tensor.into_whole();
-    let (dtype, device) = (t.dtype(), B::float_device(&t));
-    let sums = B::float_sum_dim(t, 1);
-    let mut sums: Vec<f32> = read::<B>(sums)
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .expect("f32 sums");
+    let dtype = t.dtype();
     let mut count = [rows as i64];
-    scope::waiting(|| {
-        group
-            .all_reduce(BufMut::I64(&mut count), ReduceOp::Sum)
-            .and_then(|_| group.all_reduce(BufMut::F32(&mut sums), ReduceOp::Sum))
-    })
-    .unwrap_or_else(|e| collective_failed("average batch statistics of", &shape, &*group, e));
+    scope::waiting(|| group.all_reduce(BufMut::I64(&mut count), ReduceOp::Sum))
+        .unwrap_or_else(|e| collective_failed("count the rows of", &shape, &*group, e));
     let total = count[0] as f64;
-    let means: Vec<f32> = sums.iter().map(|&s| (s as f64 / total) as f32).collect();
+    let sums = summed::<B>(B::float_sum_dim(t, 1), &*group, "sum batch statistics of");
     scope::set_batch_mean(rows as f64 / total);
-    let data = TensorData::new(means, [channels, 1]);
-    Ok(ShardTensor::Local(write::<B>(data, &device, dtype)))
+    Ok(ShardTensor::Local(widen::<B>(
+        B::float_div_scalar(sums, total.into()),
+        dtype,
+    )))
 }
 
 /// Whether the `mean_dim` just computed was over the batch group, and its backward factor
@@ -138,25 +128,17 @@ pub fn synced_grad<B: Backend>(grad: FloatTensor<Shard<B>>, factor: f64) -> Floa
              inside kiln::step (or the Learner strategy), which holds the group"
         )
     });
-    let shape = grad.shape();
-    let g = grad.into_whole();
-    let (dtype, device) = (g.dtype(), B::float_device(&g));
     // Each rank's gradient as its weight will count it, summed; then divided by this rank's
     // weight, which the caller applies after backward.
-    let mut values: Vec<f32> = read::<B>(g)
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .expect("f32 gradient");
-    if weight != 1.0 {
-        values
-            .iter_mut()
-            .for_each(|v| *v = (*v as f64 * weight) as f32);
-    }
-    scope::waiting(|| group.all_reduce(BufMut::F32(&mut values), ReduceOp::Sum))
-        .unwrap_or_else(|e| collective_failed("sum the gradient of", &shape, &*group, e));
-    let values: Vec<f32> = values
-        .iter()
-        .map(|&v| (v as f64 * factor / weight) as f32)
-        .collect();
-    ShardTensor::Local(write::<B>(TensorData::new(values, shape), &device, dtype))
+    let g = grad.into_whole();
+    let dtype = g.dtype();
+    let g = match weight == 1.0 {
+        true => g,
+        false => B::float_mul_scalar(g, weight.into()),
+    };
+    let g = summed::<B>(g, &*group, "sum the gradient of");
+    ShardTensor::Local(widen::<B>(
+        B::float_mul_scalar(g, (factor / weight).into()),
+        dtype,
+    ))
 }

@@ -135,7 +135,11 @@ pub(crate) fn float_reshape<B: Backend>(
     tensor: FloatTensor<Shard<B>>,
     shape: Shape,
 ) -> FloatTensor<Shard<B>> {
-    let (before, input) = (super::batch::seen(), tensor.shape());
+    // BatchNorm's statistics are watched for only under a batch group (SyncBatchNorm).
+    if !scope::has_batch_group() {
+        return view(tensor, ViewOp::Reshape(shape));
+    }
+    let (before, input) = (scope::batch_pattern(), tensor.shape());
     let out = view(tensor, ViewOp::Reshape(shape));
     super::batch::on_reshape(before, &input, &out.shape());
     out
@@ -147,7 +151,9 @@ pub(crate) fn float_swap_dims<B: Backend>(
     dim2: usize,
 ) -> FloatTensor<Shard<B>> {
     let out = view(tensor, ViewOp::SwapDims(dim1, dim2));
-    super::batch::on_swap(&out.shape(), dim1, dim2);
+    if scope::has_batch_group() {
+        super::batch::on_swap(&out.shape(), dim1, dim2);
+    }
     out
 }
 
