@@ -30,8 +30,12 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     (d / n).sqrt()
 }
 
+/// The logits as f32 (under autocast they come out of the head's matmul in the compute dtype).
 fn values(t: Tensor<B, 3>) -> Vec<f32> {
-    t.into_data().to_vec::<f32>().expect("f32 logits")
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("logits")
 }
 
 /// (f32, bf16, f16) logits of kiln, and PyTorch autocast's bf16 and f16 logits.
@@ -95,8 +99,9 @@ fn llama_autocast_matches_pytorch() {
     assert_autocast_parity("tiny-llama", logits_of::<Llama<B>>("tiny-llama"));
 }
 
-/// A matmul under bf16 is the f32 matmul of the bf16-rounded inputs, widened; an elementwise op
-/// is untouched; outside the scope nothing changes.
+/// A matmul under bf16 is the matmul of the bf16-rounded inputs, its result left in bf16; an
+/// elementwise op on f32 operands is untouched, a bf16 and an f32 operand meet in f32; outside
+/// the scope nothing changes.
 #[test]
 fn only_compute_bound_ops_are_lowered() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -123,16 +128,24 @@ fn only_compute_bound_ops_are_lowered() {
         .into_data()
         .to_vec::<f32>()
         .unwrap();
-    let (got, sum) = kiln_shard::autocast(Precision::BF16, || {
+    let (product, got, sum, mixed) = kiln_shard::autocast(Precision::BF16, || {
+        let product = a.clone().matmul(b.clone());
         (
-            a.clone()
-                .matmul(b.clone())
+            product.dtype(),
+            product
+                .clone()
                 .into_data()
+                .convert::<f32>()
                 .to_vec::<f32>()
                 .unwrap(),
             (a.clone() + b.clone()).into_data().to_vec::<f32>().unwrap(),
+            // A compute-dtype activation meets an f32 one in f32 (PyTorch's promotion).
+            (product + a.clone()).dtype(),
         )
     });
+    // The product stays in the compute dtype (what autodiff saves is bf16 too).
+    assert_eq!(product, burn::tensor::DType::BF16);
+    assert_eq!(mixed, burn::tensor::DType::F32);
     // The product accumulates in the inner backend's bf16 matmul: within bf16's rounding of
     // the f32 product of the rounded inputs, and different from the exact product.
     for (g, w) in got.iter().zip(&want) {

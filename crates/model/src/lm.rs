@@ -2,7 +2,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use kiln_comm::hash::SplitMix64;
 
 /// The additive causal attention mask `[1, 1, seq, seq]`: 0 where a position may attend, the
@@ -20,7 +20,13 @@ pub fn causal_mask<B: Backend>(seq: usize, device: &B::Device) -> Tensor<B, 4> {
 pub fn masked_scores<B: Backend>(scores: Tensor<B, 4>, mask: &Tensor<B, 2>) -> Tensor<B, 4> {
     let shape = scores.dims();
     let [batch, heads, rows, cols] = shape;
-    (scores.reshape([batch * heads, rows * cols]) + mask.clone()).reshape(shape)
+    // In the scores' dtype: an f32 mask would promote compute-dtype scores to f32 under mixed
+    // precision (f32::MIN rounds to -inf in bf16 and f16: the same zero weight).
+    let mask = match scores.dtype() {
+        dtype if dtype != mask.dtype() => mask.clone().cast(dtype),
+        _ => mask.clone(),
+    };
+    (scores.reshape([batch * heads, rows * cols]) + mask).reshape(shape)
 }
 
 /// Softmax over the last dimension of attention scores. Burn 0.21's autodiff has no softmax node of
@@ -74,6 +80,11 @@ pub fn causal_lm_loss<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int
         labels.dims(),
         [batch, seq, vocab]
     );
+    // The loss runs in f32 whatever the logits' dtype (autocast's f32 list: cross-entropy).
+    let logits = match logits.dtype() {
+        DType::F32 | DType::F64 => logits,
+        _ => logits.cast(DType::F32),
+    };
     let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
     let picked = log_probs.gather(1, labels.reshape([batch * seq, 1]));
     picked.mean().neg()

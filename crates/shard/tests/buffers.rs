@@ -386,7 +386,10 @@ fn sync_batch_norm_under_remat_and_bf16() {
     // Under bf16 the convolutions round their inputs to bf16, so a last-bit difference in a
     // statistic can move a value by bf16's step, and AdamW's first step (the gradient's sign)
     // flips on gradients near zero: the trained models are not comparable closely. The
-    // statistics of one step are: one device's within 1e-4 under Sync, far from it without.
+    // statistics of one step are: the convolutions' outputs are bf16 (autocast keeps them in
+    // the compute dtype), so each statistic is a bf16 value, and under Sync it is one device's
+    // within two bf16 steps (one is 1.2e-4 at these magnitudes; measured 1.22e-4); without Sync
+    // it is more than 20 steps away (measured 2.75e-3).
     let bf16 = StepConfig {
         precision: kiln_shard::Precision::BF16,
         ..StepConfig::default()
@@ -401,6 +404,6 @@ fn sync_batch_norm_under_remat_and_bf16() {
     eprintln!(
         "bf16, one step: statistics {d_sync:.2e} (sync), {d_mean:.2e} (mean) from one device"
     );
-    assert!(close(&sync[0].0, &one[0].0, 1e-4), "bf16 sync: {d_sync}");
+    assert!(close(&sync[0].0, &one[0].0, 2.5e-4), "bf16 sync: {d_sync}");
     assert!(d_mean > 1e-3, "bf16 mean: {d_mean}");
 }

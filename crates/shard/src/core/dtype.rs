@@ -111,19 +111,65 @@ pub(crate) fn widen<B: Backend>(
     }
 }
 
-/// A compute-bound op under `policy`: f32 inputs rounded to the compute dtype, the op run
-/// there, the result widened back to f32 (`torch.autocast`'s lower-precision list).
+/// A compute-bound op under `policy` (`torch.autocast`'s lower-precision list): f32 inputs
+/// rounded to the compute dtype, the op run there, and the result left in it, so that the ops
+/// after it, and what autodiff saves for backward, are in the compute dtype too.
 pub(crate) fn lowered<B: Backend>(
     policy: Precision,
     inputs: Vec<B::FloatTensorPrimitive>,
     op: &dyn Fn(Vec<B::FloatTensorPrimitive>) -> B::FloatTensorPrimitive,
 ) -> B::FloatTensorPrimitive {
-    if policy.compute == FloatDType::F32 || inputs.iter().any(|t| t.dtype() != DType::F32) {
+    if policy.compute == FloatDType::F32 {
         return op(inputs);
     }
     let inputs = inputs
         .into_iter()
         .map(|t| narrow::<B>(t, policy.compute))
         .collect();
-    widen::<B>(op(inputs), DType::F32)
+    op(inputs)
+}
+
+/// The dtype two float operands meet in: the wider (PyTorch's type promotion: f32 over f16
+/// and bf16, f64 over all; f16 with bf16 in f32).
+pub(crate) fn promoted(a: DType, b: DType) -> DType {
+    fn rank(d: DType) -> u8 {
+        match d {
+            DType::F64 => 3,
+            DType::F32 | DType::Flex32 => 2,
+            _ => 1,
+        }
+    }
+    match (a, b) {
+        _ if a == b => a,
+        _ if rank(a) == rank(b) => DType::F32,
+        _ if rank(a) > rank(b) => a,
+        _ => b,
+    }
+}
+
+/// Float operands cast to the dtype they meet in (see [`promoted`]) when they differ: a
+/// compute-dtype activation meets an f32 one (a residual connection, a mask) in f32.
+pub(crate) fn promote<B: Backend>(
+    inputs: Vec<B::FloatTensorPrimitive>,
+) -> Vec<B::FloatTensorPrimitive> {
+    let Some(first) = inputs.first().map(|t| t.dtype()) else {
+        return inputs;
+    };
+    if inputs.iter().all(|t| t.dtype() == first) {
+        return inputs;
+    }
+    let to = inputs.iter().fold(first, |d, t| promoted(d, t.dtype()));
+    inputs.into_iter().map(|t| widen::<B>(t, to)).collect()
+}
+
+/// Two float operands cast to the dtype they meet in.
+pub(crate) fn promote2<B: Backend>(
+    a: B::FloatTensorPrimitive,
+    b: B::FloatTensorPrimitive,
+) -> (B::FloatTensorPrimitive, B::FloatTensorPrimitive) {
+    if a.dtype() == b.dtype() {
+        return (a, b);
+    }
+    let to = promoted(a.dtype(), b.dtype());
+    (widen::<B>(a, to), widen::<B>(b, to))
 }

@@ -2,17 +2,22 @@
 //! gradients and optimizer state stay f32 (the masters), and under [`autocast`]
 //!
 //! - the compute-bound ops (matmul, linear, convolutions, attention) read their f32 inputs
-//!   rounded to the compute dtype and run in it, as `torch.autocast`'s lower-precision list;
-//!   their results are widened back to f32, so every other op (softmax, norms, reductions, the
-//!   loss: autocast's f32 list and everything else) runs in f32 and the model sees f32 tensors
-//!   throughout, in forward and backward alike;
+//!   rounded to the compute dtype, run in it and leave their results in it, as
+//!   `torch.autocast`'s lower-precision list: the ops after them (attention's softmax, an
+//!   activation function, the next matmul) run in the compute dtype, and what autodiff saves
+//!   for backward is in it (half of f32's bytes for bf16 and f16);
+//! - operands of different dtypes meet in the wider, as PyTorch promotes: a compute-dtype
+//!   branch added to an f32 residual stream gives f32, so the residual stream and the norms
+//!   reading it stay f32; the inner backend's reductions accumulate in f32 (Flex's do);
+//! - a parameter's gradient is handed on in the parameter's dtype (widened to f32 the moment
+//!   it is final, before reduction, accumulation and the optimizer);
 //! - a sharded parameter is all-gathered in the compute dtype (half the bytes of f32 for bf16
 //!   and f16), as FSDP2's `param_dtype`;
 //! - gradients are reduced in [`Precision::reduce`] (FSDP2's `reduce_dtype`).
 //!
-//! What it does not do: keep activations in the compute dtype. Burn's autodiff saves the
-//! tensors the model's ops return, and these are f32 here, so a step's activation memory is
-//! that of f32 training (rematerialisation is the decorator's tool for that memory).
+//! kiln's models take the loss in f32 (`kiln_model::causal_lm_loss` widens the logits,
+//! autocast's f32 list) and add their attention mask in the scores' dtype. A model's own f32
+//! constants meet its compute-dtype activations in f32, as they would under PyTorch.
 //!
 //! With f16, gradients can overflow: [`LossScale`] is the dynamic loss scale a step applies
 //! (PyTorch's `GradScaler`: the loss multiplied by the scale before backward, the gradients

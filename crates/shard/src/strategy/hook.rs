@@ -13,6 +13,8 @@
 use super::reduce::{InFlight, PendingGrad, Prepared, communicate, complete, finish, prepare};
 use super::state::{AnyModel, ModelState, model_of};
 use crate::core::backend::Shard;
+use crate::core::dtype::widen;
+use crate::core::ops::unary;
 use crate::core::scope::{self, MemKind, on_queue, waiting, with_kind};
 use crate::core::tensor::ShardTensor;
 use burn_backend::distributed::{
@@ -60,15 +62,21 @@ impl<B: Backend> DistributedBackend for Shard<B> {
     fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
         let (m, id) = model::<B>(&params);
         let mut d = m.lock();
-        if d.no_sync {
-            return;
-        }
-        let shape = d.params.get(&id).cloned().unwrap_or_else(|| {
+        let (shape, dtype) = d.params.get(&id).cloned().unwrap_or_else(|| {
             panic!("kiln: gradient of parameter {id:?}, which `shard` did not register")
         });
         // SAFETY: `tensor.0` points to the gradient in burn-autodiff's container, valid for
         // the rest of this backward (see `PendingGrad`).
-        let grad = unsafe { &*tensor.0 };
+        let grad = unsafe { &mut *tensor.0 };
+        // Under a compute dtype the last op of a parameter's gradient (a linear's weight
+        // gradient) leaves it in that dtype: it is widened to the parameter's, so that it is
+        // reduced, accumulated and stepped in f32 (autocast's cast back to the master's dtype).
+        if grad.dtype() != dtype {
+            *grad = unary(grad.clone(), move |g| widen::<B>(g, dtype));
+        }
+        if d.no_sync {
+            return;
+        }
         assert_eq!(
             grad.shape(),
             shape,

@@ -22,7 +22,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_backend::distributed::DistributedParamId;
-use burn_std::Shape;
+use burn_std::{DType, Shape};
 use kiln_comm::{DeviceMesh, MeshShape, ProcessGroup};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -283,7 +283,8 @@ where
         };
         let trainable = tensor.is_require_grad();
         let shape = Shape::from(tensor.dims().to_vec());
-        let mark = trainable.then(|| self.state.register(id.val(), shape));
+        let dtype = tensor.dtype();
+        let mark = trainable.then(|| self.state.register(id.val(), shape, dtype));
         let mut tensor = replace_primitive::<B, AB, D>(tensor, |t| {
             let t = match t {
                 ShardTensor::Sharded(s) if shard_params && s.group.name() == group.name() => {
@@ -362,7 +363,7 @@ impl<B: Backend> Marks<B> {
         type Found<B> = (
             ParamId,
             Option<(DistributedParamId, Arc<ModelState<B>>)>,
-            Option<Shape>,
+            Option<(Shape, DType)>,
         );
         struct Find<B: Backend> {
             found: Vec<Found<B>>,
@@ -374,7 +375,9 @@ impl<B: Backend> Marks<B> {
                 }
                 let t = p.val();
                 let known = mark_of(&t).and_then(|id| model_of::<B>(id).map(|(m, id)| (id, m)));
-                let trainable = t.is_require_grad().then(|| Shape::from(t.dims().to_vec()));
+                let trainable = t
+                    .is_require_grad()
+                    .then(|| (Shape::from(t.dims().to_vec()), t.dtype()));
                 self.found.push((p.id, known, trainable));
             }
         }
@@ -389,12 +392,12 @@ impl<B: Backend> Marks<B> {
             .into_iter()
             .filter_map(|(pid, known, trainable)| match (known, trainable) {
                 (Some(known), _) => Some((pid, known)),
-                (None, Some(shape)) => {
+                (None, Some((shape, dtype))) => {
                     let m = fallback.clone()?;
                     // Loading a record gives parameters the record's ids, which `shard` never
                     // saw: registered here, so that the gradient is reduced too.
-                    let id =
-                        id_in_model(&m, pid.val()).unwrap_or_else(|| m.register(pid.val(), shape));
+                    let id = id_in_model(&m, pid.val())
+                        .unwrap_or_else(|| m.register(pid.val(), shape, dtype));
                     Some((pid, (id, m)))
                 }
                 (None, None) => None,

@@ -7,8 +7,8 @@ use super::reduce::{InFlight, PendingGrad, Reduction};
 use crate::core::scope::{self, AnyArc, Creation, Set};
 use crate::core::tensor::ShardOps;
 use crate::features::zero::flat;
-use burn_backend::Backend;
 use burn_backend::distributed::DistributedParamId;
+use burn_backend::{Backend, DType};
 use burn_std::Shape;
 use kiln_comm::{CommQueue, ProcessGroup};
 use std::collections::{HashMap, HashSet};
@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 #[derive(Default)]
 pub(crate) struct Dynamic<B: Backend> {
     /// The logical shape of every trainable parameter, by the gradient-sync id kiln gave it.
-    pub params: HashMap<DistributedParamId, Shape>,
+    /// Each trainable parameter's shape and dtype (its gradient is handed on in that dtype).
+    pub params: HashMap<DistributedParamId, (Shape, DType)>,
     pub bucket: Vec<PendingGrad<B>>,
     pub bucket_bytes: usize,
     /// Parameters whose gradient was reduced since the last optimizer step.
@@ -82,9 +83,14 @@ impl<B: Backend> ModelState<B> {
     }
 
     /// A fresh gradient-sync id for a parameter of this model, registered.
-    pub fn register(self: &Arc<Self>, param: u64, shape: Shape) -> DistributedParamId {
+    pub fn register(
+        self: &Arc<Self>,
+        param: u64,
+        shape: Shape,
+        dtype: DType,
+    ) -> DistributedParamId {
         let id = fresh_id();
-        self.lock().params.insert(id, shape);
+        self.lock().params.insert(id, (shape, dtype));
         let mut r = registry();
         r.by_id.insert(id, self.clone() as AnyModel);
         r.by_burn_id

@@ -22,7 +22,5 @@ mod qtensor;
 #[cfg(test)]
 mod coverage;
 
-#[cfg(feature = "cuda")]
-pub(crate) use policy::unary;
 pub use policy::{Cost, InnerOp, Recorder};
-pub(crate) use policy::{local, record_compute};
+pub(crate) use policy::{local, record_compute, unary};

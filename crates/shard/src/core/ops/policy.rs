@@ -2,7 +2,7 @@
 //! recorded, when the scope holds a [`Recorder`]).
 
 use crate::core::backend::Shard;
-use crate::core::dtype::lowered;
+use crate::core::dtype::{lowered, promote, promote2};
 use crate::core::host::slice_local;
 use crate::core::scope;
 use crate::core::tensor::{Elementwise, Prim, ShardTensor, ViewOp};
@@ -80,6 +80,12 @@ pub(crate) fn binary<B: Backend>(
     + Sync
     + 'static,
 ) -> ShardTensor<B> {
+    // Operands of different dtypes meet in the wider (a compute-dtype activation and an f32
+    // one: f32, as PyTorch promotes under autocast).
+    let f = move |a, b| {
+        let (a, b) = promote2::<B>(a, b);
+        f(a, b)
+    };
     match (a, b) {
         (ShardTensor::Sharded(a), ShardTensor::Sharded(b)) if a.same_layout(&b) => {
             ShardTensor::Sharded(a.map(|a| f(a, b.shard)))
@@ -126,7 +132,8 @@ pub(crate) fn record<B: Backend>(
     inputs: Vec<ShardTensor<B>>,
     op: impl Fn(Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
 ) -> ShardTensor<B> {
-    run(Cost::Memory, inputs, op)
+    // Float inputs of different dtypes meet in the widest (see `binary`).
+    run(Cost::Memory, inputs, move |v| op(promote::<B>(v)))
 }
 
 /// [`record`] of a contraction ([`Cost::Compute`]), run in the policy's compute dtype.
@@ -138,7 +145,7 @@ pub(crate) fn record_compute<B: Backend>(
     // rounds its inputs exactly as the first run did.
     let policy = scope::precision();
     if policy.compute == FloatDType::F32 {
-        return run(Cost::Compute, inputs, op);
+        return run(Cost::Compute, inputs, move |v| op(promote::<B>(v)));
     }
     run(Cost::Compute, inputs, move |v| lowered::<B>(policy, v, &op))
 }
