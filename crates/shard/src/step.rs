@@ -11,13 +11,14 @@
 //! [`no_sync`]: crate::no_sync
 
 use crate::core::backend::Shard;
+use crate::core::dtype::register_autocast;
 use crate::core::error::ShardError;
 use crate::core::scope::{self, AnyArc, MemKind, Set, with_kind};
 use crate::features::account::{MemoryProbe, StepMemory, grad_bytes, param_bytes};
 use crate::features::lowrank::masks_seeded;
 use crate::features::precision::{LossScale, Precision, autocast};
 use crate::features::remat::{Pool, RematStats, recorder};
-use crate::strategy::optim::{clip_coefficient, grad_norm, scale_grads};
+use crate::strategy::optim::{clip_coefficient, grad_norm, scale_grads, widen_grads};
 use crate::strategy::shard::{backward, no_sync, reduce_gradients, remark, with_batch_statistics};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
@@ -220,6 +221,7 @@ where
 {
     // Forward, backward and the optimizer step under the precision policy (the optimizer's
     // elementwise updates are not compute-bound ops, so they stay f32).
+    register_autocast::<B>();
     autocast(config.precision, move || {
         let probe = MemoryProbe::start();
         let pool = config.remat_budget.map(Pool::new);
@@ -235,6 +237,10 @@ where
             None => grads(&model, &passes),
         };
         let (total, grads) = with_batch_statistics::<B, AB, M, _>(&model, 1.0, produce)?;
+        let grads = match config.precision.is_mixed() {
+            true => widen_grads::<AB, M>(&model, grads),
+            false => grads,
+        };
         // One global norm serves clipping and the overflow check; every rank sees the same norm
         // (the sharded parts are all-reduced, the whole gradients are equal), so every rank takes
         // the same decision.

@@ -120,7 +120,14 @@ impl<B: Backend> RopeTables<B> {
             .reshape([batch * seq * width / d, d])
             .matmul(self.rotation.clone())
             .reshape([batch, seq * width]);
-        (x.reshape([batch, seq * width]) * self.cos.clone() + rotated * self.sin.clone())
+        // In the projection's dtype (transformers casts cos and sin to it): f32 tables would
+        // promote compute-dtype queries and keys to f32 under mixed precision.
+        let dtype = x.dtype();
+        let table = |t: &Tensor<B, 2>| match t.dtype() == dtype {
+            true => t.clone(),
+            false => t.clone().cast(dtype),
+        };
+        (x.reshape([batch, seq * width]) * table(&self.cos) + rotated * table(&self.sin))
             .reshape(shape)
     }
 }

@@ -168,3 +168,42 @@ impl<B: Backend> DistributedRegistration for DistributedGradientRegistration<B> 
         }
     }
 }
+
+/// A backend's autocast hook (added for kiln, see KILN-PATCH.md): the dtype the activation
+/// operand of a compute-bound op (`linear`'s and a convolution's input, a matmul's left-hand
+/// side) is cast to *in the graph* before the op, or `None` to leave it. The op then saves the
+/// cast tensor for its backward, as the cast that `torch.autocast` records does: a backend
+/// that computes these ops in a lower precision keeps what they save in it too.
+pub struct Autocast<B: Backend> {
+    /// The dtype for `t`, or `None`.
+    pub input_dtype: fn(&B::FloatTensorPrimitive) -> Option<burn_std::FloatDType>,
+}
+
+impl<B: Backend> Clone for Autocast<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Autocast<B> {}
+
+/// Whether any backend registered an autocast hook: every other backend's compute-bound ops
+/// skip the registry.
+static AUTOCAST: AtomicBool = AtomicBool::new(false);
+
+/// Registers `B`'s autocast hook. Idempotent.
+pub fn register_autocast<B: Backend>(hook: Autocast<B>) {
+    registry()
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(TypeId::of::<Autocast<B>>(), Box::new(hook));
+    AUTOCAST.store(true, Ordering::Release);
+}
+
+/// The dtype `B` wants a compute-bound op's activation operand `t` cast to, if any.
+pub fn autocast_dtype<B: Backend>(t: &B::FloatTensorPrimitive) -> Option<burn_std::FloatDType> {
+    if !AUTOCAST.load(Ordering::Acquire) {
+        return None;
+    }
+    (registered::<Autocast<B>>()?.input_dtype)(t)
+}

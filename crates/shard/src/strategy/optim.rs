@@ -425,7 +425,45 @@ where
     Ok(norm_sq.sqrt())
 }
 
-/// The gradients multiplied by `factor`.
+/// The gradients each in its parameter's dtype: under a lower-precision compute dtype a
+/// gradient leaving a compute-bound op is in that dtype, and the optimizer's state must not
+/// be (fp32 masters and moments, as autocast's cast back to the parameter's dtype gives).
+/// Parameters of a sharded model have theirs widened as they become final; this serves any
+/// other model.
+pub fn widen_grads<AB, M>(module: &M, mut grads: GradientsParams) -> GradientsParams
+where
+    AB: AutodiffBackend,
+    M: AutodiffModule<AB>,
+{
+    struct Widen<'a, AB: AutodiffBackend> {
+        grads: &'a mut GradientsParams,
+        _b: PhantomData<AB>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Widen<'_, AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let Some(dtype) = self
+                .grads
+                .get::<AB::InnerBackend, D>(param.id)
+                .map(|g| g.dtype())
+            else {
+                return;
+            };
+            let want = param.val().dtype();
+            if dtype != want
+                && let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id)
+            {
+                self.grads.register(param.id, g.cast(want));
+            }
+        }
+    }
+    module.visit(&mut Widen::<AB> {
+        grads: &mut grads,
+        _b: PhantomData,
+    });
+    grads
+}
+
+/// `grads` multiplied by `factor` (clipping, unscaling a loss scale).
 pub fn scale_grads<AB, M>(module: &M, mut grads: GradientsParams, factor: f64) -> GradientsParams
 where
     AB: AutodiffBackend,

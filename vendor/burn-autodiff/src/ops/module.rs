@@ -1,17 +1,32 @@
 use crate::Autodiff;
 use crate::checkpoint::base::Checkpointer;
+use crate::checkpoint::retro_forward::RetroForward;
+use crate::checkpoint::state::BackwardStates;
 use crate::checkpoint::strategy::CheckpointStrategy;
 use crate::grads::Gradients;
 use crate::graph::NodeId;
 use crate::ops::{Backward, Ops, unary};
 use crate::tensor::AutodiffTensor;
 
-use burn_backend::Backend;
+use burn_backend::{Backend, TensorMetadata};
 use burn_backend::ops::attention::attention_fallback;
 use burn_backend::ops::*;
 use burn_backend::tensor::{FloatTensor, IntTensor};
 
 use super::OpsKind;
+
+/// Added for kiln (see KILN-PATCH.md): the activation operand of a compute-bound op, cast in
+/// the graph to the dtype the backend's autocast hook names (`torch.autocast`'s recorded cast),
+/// so that the op saves it in that dtype; unchanged without a hook.
+pub(crate) fn autocast_input<B: Backend, C: CheckpointStrategy>(
+    x: AutodiffTensor<B>,
+) -> AutodiffTensor<B> {
+    #[cfg(feature = "distributed")]
+    if let Some(dtype) = crate::distributed::autocast_dtype::<B>(&x.primitive) {
+        return <Autodiff<B, C> as FloatTensorOps<Autodiff<B, C>>>::float_cast(x, dtype);
+    }
+    x
+}
 
 impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B, C> {
     fn embedding(weights: AutodiffTensor<B>, indices: IntTensor<B>) -> AutodiffTensor<B> {
@@ -61,6 +76,7 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
         weight: AutodiffTensor<B>,
         bias: Option<AutodiffTensor<B>>,
     ) -> AutodiffTensor<B> {
+        let x = autocast_input::<B, C>(x);
         #[derive(Debug)]
         struct LinearWithBias;
         #[derive(Debug)]
@@ -172,6 +188,150 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
         }
     }
 
+    // Added for kiln (see KILN-PATCH.md): a layer-norm node whose backward is the closed form,
+    // saving the input (checkpointed) and the per-row mean and denominator, where the default
+    // (composed of tensor ops) saves the centred input and the normalised one, two tensors of
+    // the input's size. The forward is the default's, op for op.
+    fn layer_norm(
+        tensor: AutodiffTensor<B>,
+        gamma: AutodiffTensor<B>,
+        beta: Option<AutodiffTensor<B>>,
+        epsilon: f64,
+    ) -> AutodiffTensor<B> {
+        #[derive(Debug)]
+        struct LayerNormAffine;
+        #[derive(Debug)]
+        struct LayerNormScale;
+
+        #[derive(Debug, Clone)]
+        struct RetroLayerNorm<B: Backend> {
+            x: NodeId,
+            gamma: NodeId,
+            beta: Option<NodeId>,
+            epsilon: f64,
+            _backend: core::marker::PhantomData<B>,
+        }
+
+        impl<B: Backend> RetroForward for RetroLayerNorm<B> {
+            fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+                let x = states.get_state::<B::FloatTensorPrimitive>(&self.x);
+                let gamma = states.get_state::<B::FloatTensorPrimitive>(&self.gamma);
+                let beta = self
+                    .beta
+                    .map(|b| states.get_state::<B::FloatTensorPrimitive>(&b));
+                let (out, _, _) = layer_norm_forward::<B>(x, gamma, beta, self.epsilon);
+                states.save(out_node, out)
+            }
+        }
+
+        /// (x, gamma, mean, denominator): x and gamma checkpointed.
+        type State<B> = (
+            NodeId,
+            NodeId,
+            <B as burn_backend::BackendTypes>::FloatTensorPrimitive,
+            <B as burn_backend::BackendTypes>::FloatTensorPrimitive,
+        );
+
+        impl<B: Backend> Backward<B, 3> for LayerNormAffine {
+            type State = State<B>;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 3>,
+                grads: &mut Gradients,
+                checkpointer: &mut Checkpointer,
+            ) {
+                let [node_x, node_gamma, node_beta] = ops.parents;
+                let grad = grads.consume::<B>(&ops.node);
+                let (x, gamma, mean, denom) = ops.state;
+                let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x);
+                let gamma = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(gamma);
+                if let Some(node) = node_beta {
+                    grads.register::<B>(node.id, layer_norm_param_grad::<B>(grad.clone()));
+                }
+                layer_norm_backward::<B>(
+                    [node_x, node_gamma],
+                    grads,
+                    grad,
+                    (x, gamma, mean, denom),
+                );
+            }
+        }
+
+        impl<B: Backend> Backward<B, 2> for LayerNormScale {
+            type State = State<B>;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                checkpointer: &mut Checkpointer,
+            ) {
+                let grad = grads.consume::<B>(&ops.node);
+                let (x, gamma, mean, denom) = ops.state;
+                let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x);
+                let gamma = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(gamma);
+                layer_norm_backward::<B>(ops.parents, grads, grad, (x, gamma, mean, denom));
+            }
+        }
+
+        let retro = RetroLayerNorm::<B> {
+            x: tensor.node.id,
+            gamma: gamma.node.id,
+            beta: beta.as_ref().map(|b| b.node.id),
+            epsilon,
+            _backend: core::marker::PhantomData,
+        };
+        match beta {
+            Some(beta) => match LayerNormAffine
+                .prepare::<C>([tensor.node.clone(), gamma.node.clone(), beta.node.clone()])
+                .memory_bound()
+                .retro_forward(retro)
+                .parents([&tensor, &gamma, &beta])
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let x_state = prep.checkpoint(&tensor);
+                    let gamma_state = prep.checkpoint(&gamma);
+                    let (out, mean, denom) = layer_norm_forward::<B>(
+                        tensor.primitive,
+                        gamma.primitive,
+                        Some(beta.primitive),
+                        epsilon,
+                    );
+                    prep.finish((x_state, gamma_state, mean, denom), out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(B::layer_norm(
+                    tensor.primitive,
+                    gamma.primitive,
+                    Some(beta.primitive),
+                    epsilon,
+                )),
+            },
+            None => match LayerNormScale
+                .prepare::<C>([tensor.node.clone(), gamma.node.clone()])
+                .memory_bound()
+                .retro_forward(retro)
+                .parents([&tensor, &gamma])
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let x_state = prep.checkpoint(&tensor);
+                    let gamma_state = prep.checkpoint(&gamma);
+                    let (out, mean, denom) =
+                        layer_norm_forward::<B>(tensor.primitive, gamma.primitive, None, epsilon);
+                    prep.finish((x_state, gamma_state, mean, denom), out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(B::layer_norm(
+                    tensor.primitive,
+                    gamma.primitive,
+                    None,
+                    epsilon,
+                )),
+            },
+        }
+    }
+
     fn linear_x_backward(
         _weight: AutodiffTensor<B>,
         _output_grad: AutodiffTensor<B>,
@@ -196,6 +356,7 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
         bias: Option<AutodiffTensor<B>>,
         options: ConvOptions<1>,
     ) -> AutodiffTensor<B> {
+        let x = autocast_input::<B, C>(x);
         #[derive(Debug)]
         struct Conv1DWithBias;
         #[derive(Debug)]
@@ -319,6 +480,7 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
         bias: Option<AutodiffTensor<B>>,
         options: ConvTransposeOptions<1>,
     ) -> AutodiffTensor<B> {
+        let x = autocast_input::<B, C>(x);
         #[derive(Debug)]
         struct ConvTranspose1DWithBias;
         #[derive(Debug)]
@@ -454,6 +616,7 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
         bias: Option<AutodiffTensor<B>>,
         options: ConvOptions<2>,
     ) -> AutodiffTensor<B> {
+        let x = autocast_input::<B, C>(x);
         #[derive(Debug)]
         struct Conv2DWithBias;
         #[derive(Debug)]
@@ -917,6 +1080,7 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
         bias: Option<AutodiffTensor<B>>,
         options: ConvTransposeOptions<2>,
     ) -> AutodiffTensor<B> {
+        let x = autocast_input::<B, C>(x);
         #[derive(Debug)]
         struct ConvTranspose2DWithBias;
         #[derive(Debug)]
@@ -1054,6 +1218,7 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
         bias: Option<AutodiffTensor<B>>,
         options: ConvOptions<3>,
     ) -> AutodiffTensor<B> {
+        let x = autocast_input::<B, C>(x);
         #[derive(Debug)]
         struct Conv3DWithBias;
         #[derive(Debug)]
@@ -1180,6 +1345,7 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
         bias: Option<AutodiffTensor<B>>,
         options: ConvTransposeOptions<3>,
     ) -> AutodiffTensor<B> {
+        let x = autocast_input::<B, C>(x);
         #[derive(Debug)]
         struct ConvTranspose3DWithBias;
         #[derive(Debug)]
@@ -2063,5 +2229,79 @@ impl<B: Backend> Backward<B, 1> for MaxPool2D {
 
             grads.register::<B>(node.id, grad.x_grad);
         }
+    }
+}
+
+
+// Added for kiln: the layer-norm node's forward and backward (see `layer_norm` above).
+
+/// The default `layer_norm`'s forward, op for op, with the row means and denominators
+/// `sqrt(var + eps)` it computes along the way.
+fn layer_norm_forward<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: Option<FloatTensor<B>>,
+    epsilon: f64,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let shape = x.shape();
+    let last = shape.num_dims() - 1;
+    let mean = B::float_mean_dim(x.clone(), last);
+    let centered = B::float_sub(x, mean.clone());
+    let var = B::float_mean_dim(B::float_mul(centered.clone(), centered.clone()), last);
+    let denom = B::float_sqrt(B::float_add_scalar(var, epsilon.into()));
+    let normalized = B::float_div(centered, denom.clone());
+    let scaled = B::float_mul(normalized, B::float_reshape(gamma, row_shape(&shape)));
+    let out = match beta {
+        Some(beta) => B::float_add(scaled, B::float_reshape(beta, row_shape(&shape))),
+        None => scaled,
+    };
+    (out, mean, denom)
+}
+
+/// `[1, .., 1, d]` for a tensor of `shape` (a parameter of its last dimension, broadcast).
+fn row_shape(shape: &burn_std::Shape) -> burn_std::Shape {
+    let rank = shape.num_dims();
+    let d = shape[rank - 1];
+    burn_std::Shape::from(
+        (0..rank)
+            .map(|i| if i == rank - 1 { d } else { 1 })
+            .collect::<alloc::vec::Vec<usize>>(),
+    )
+}
+
+/// A last-dimension parameter's gradient: `g` summed over every other dimension.
+fn layer_norm_param_grad<B: Backend>(g: FloatTensor<B>) -> FloatTensor<B> {
+    let shape = g.shape();
+    let d = shape[shape.num_dims() - 1];
+    let rows = shape.num_elements() / d.max(1);
+    let flat = B::float_reshape(g, burn_std::Shape::new([rows, d]));
+    B::float_reshape(B::float_sum_dim(flat, 0), burn_std::Shape::new([d]))
+}
+
+/// The gradients of `x` and `gamma`: with `x̂ = (x - mean) / denom` and `gx = g gamma`,
+/// `dx = (gx - mean(gx) - x̂ mean(gx x̂)) / denom` (means over the last dimension) and
+/// `dgamma = sum(g x̂)` over the other dimensions.
+fn layer_norm_backward<B: Backend>(
+    [node_x, node_gamma]: [Option<crate::graph::NodeRef>; 2],
+    grads: &mut Gradients,
+    g: FloatTensor<B>,
+    (x, gamma, mean, denom): (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>),
+) {
+    let shape = x.shape();
+    let last = shape.num_dims() - 1;
+    let normalized = B::float_div(B::float_sub(x, mean), denom.clone());
+    if let Some(node) = node_gamma {
+        let dgamma = layer_norm_param_grad::<B>(B::float_mul(g.clone(), normalized.clone()));
+        grads.register::<B>(node.id, dgamma);
+    }
+    if let Some(node) = node_x {
+        let gx = B::float_mul(g, B::float_reshape(gamma, row_shape(&shape)));
+        let mean_gx = B::float_mean_dim(gx.clone(), last);
+        let mean_gx_n = B::float_mean_dim(B::float_mul(gx.clone(), normalized.clone()), last);
+        let dx = B::float_sub(
+            B::float_sub(gx, mean_gx),
+            B::float_mul(normalized, mean_gx_n),
+        );
+        grads.register::<B>(node.id, B::float_div(dx, denom));
     }
 }

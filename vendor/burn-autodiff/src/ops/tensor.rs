@@ -563,6 +563,10 @@ impl<B: Backend, C: CheckpointStrategy> FloatTensorOps<Self> for Autodiff<B, C> 
     }
 
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        // Added for kiln: both operands cast in the graph when the backend autocasts (see
+        // `autocast_input`).
+        let lhs = super::module::autocast_input::<B, C>(lhs);
+        let rhs = super::module::autocast_input::<B, C>(rhs);
         #[derive(Debug)]
         struct Matmul;
 

@@ -1,7 +1,8 @@
 //! The hand-written exceptions of the forwarding (see `forward.rs` for the rest).
 
-use super::policy::{local, record, record_compute, view};
+use super::policy::{local, record, record_compute_with, view};
 use crate::core::backend::Shard;
+use crate::core::dtype::{lowered, promote};
 use crate::core::host::{Host, collective_failed, read, write};
 use crate::core::scope;
 use crate::core::tensor::{
@@ -426,13 +427,25 @@ pub(crate) fn linear<B: Backend>(
     let has_bias = bias.is_some();
     let mut inputs = vec![x, weight];
     inputs.extend(bias);
-    record_compute(inputs, move |t| {
+    record_compute_with(inputs, move |policy, t| {
         let mut t = t.into_iter();
-        B::linear(
-            t.next().expect("input"),
-            t.next().expect("input"),
-            has_bias.then(|| t.next().expect("input")),
-        )
+        let (x, w) = (t.next().expect("input"), t.next().expect("input"));
+        let bias = has_bias.then(|| t.next().expect("input"));
+        if policy.compute == FloatDType::F32 {
+            let mut v = promote::<B>([x, w].into_iter().chain(bias).collect()).into_iter();
+            let (x, w) = (v.next().expect("input"), v.next().expect("input"));
+            return B::linear(x, w, v.next());
+        }
+        // On Flex, without a half-precision copy of the weight (see `fast.rs`).
+        let (x, w, bias) = match super::fast::linear_half::<B>(x, w, bias, policy.compute.into()) {
+            Ok(y) => return y,
+            Err(args) => args,
+        };
+        lowered::<B>(policy, [x, w].into_iter().chain(bias).collect(), &|v| {
+            let mut v = v.into_iter();
+            let (x, w) = (v.next().expect("input"), v.next().expect("input"));
+            B::linear(x, w, v.next())
+        })
     })
 }
 

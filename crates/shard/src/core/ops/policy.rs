@@ -2,7 +2,7 @@
 //! recorded, when the scope holds a [`Recorder`]).
 
 use crate::core::backend::Shard;
-use crate::core::dtype::{lowered, promote, promote2};
+use crate::core::dtype::{Precision, lowered, promote, promote2};
 use crate::core::host::slice_local;
 use crate::core::scope;
 use crate::core::tensor::{Elementwise, Prim, ShardTensor, ViewOp};
@@ -148,6 +148,16 @@ pub(crate) fn record_compute<B: Backend>(
         return run(Cost::Compute, inputs, move |v| op(promote::<B>(v)));
     }
     run(Cost::Compute, inputs, move |v| lowered::<B>(policy, v, &op))
+}
+
+/// [`record`] of a contraction ([`Cost::Compute`]) that applies the policy `op` is given
+/// itself (taken when the op is recorded, as [`record_compute`] does).
+pub(crate) fn record_compute_with<B: Backend>(
+    inputs: Vec<ShardTensor<B>>,
+    op: impl Fn(Precision, Vec<Prim<B>>) -> Prim<B> + Send + Sync + 'static,
+) -> ShardTensor<B> {
+    let policy = scope::precision();
+    run(Cost::Compute, inputs, move |v| op(policy, v))
 }
 
 fn run<B: Backend>(
