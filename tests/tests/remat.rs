@@ -147,6 +147,7 @@ fn check<MOff, MBal>(
     + Send
     + Sync,
     sharded: bool,
+    balanced_most: f64,
 ) where
     MOff: AutodiffModule<Train<Flex, NoCheckpointing>>,
     MBal: AutodiffModule<Train<Flex, BalancedCheckpointing>>,
@@ -155,7 +156,8 @@ fn check<MOff, MBal>(
     static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let initial = values::<Train<Flex>, _>(&make_off());
-    let compare = |what: &str, off: &Trained, bal: &Trained| {
+    // `most`: the largest share of the activations remat may leave.
+    let compare = |what: &str, off: &Trained, bal: &Trained, most: f64| {
         let bitwise = off.losses == bal.losses && off.params == bal.params;
         let loss_err = off
             .losses
@@ -187,7 +189,7 @@ fn check<MOff, MBal>(
         );
         // Remat is really on: fewer activation bytes.
         assert!(
-            (bal.activations as f64) < 0.95 * off.activations as f64,
+            (bal.activations as f64) < most * off.activations as f64,
             "{name} {what}: activations {} B with remat, {} B without",
             bal.activations,
             off.activations
@@ -220,11 +222,12 @@ fn check<MOff, MBal>(
     };
     let check_runs =
         |what: &str, (off, bal, third, tenth): &(Trained, Trained, Trained, Option<Trained>)| {
-            compare(&format!("{what}, balanced"), off, bal);
+            compare(&format!("{what}, balanced"), off, bal, balanced_most);
             compare(
                 &format!("{what}, budget {} B", off.activations / 3),
                 off,
                 third,
+                0.95,
             );
             assert!(
                 third.recomputations > 0,
@@ -235,6 +238,7 @@ fn check<MOff, MBal>(
                     &format!("{what}, budget {} B", off.activations / 10),
                     off,
                     tenth,
+                    0.95,
                 );
                 assert!(tenth.recomputations > third.recomputations);
             }
@@ -307,6 +311,7 @@ fn gpt2_trains_the_same_under_every_remat_mode() {
             )
         },
         true,
+        0.95,
     );
 }
 
@@ -329,6 +334,7 @@ fn llama_trains_the_same_under_every_remat_mode() {
             )
         },
         true,
+        0.95,
     );
 }
 
@@ -383,6 +389,11 @@ fn a_burn_nn_transformer_with_dropout_trains_the_same_under_every_remat_mode() {
         encoder_loss,
         encoder_loss,
         false,
+        // Burn's balanced checkpointing recomputes memory-bound ops only. With dropout, the
+        // masks it must keep are most of what is left once the layer norm saves only its input
+        // (kiln's burn-autodiff): this encoder keeps 0.988 of its activations under it (0.914
+        // when the composed layer norm saved two tensors of its input's size).
+        0.995,
     );
     check(
         "burn-nn encoder",
@@ -391,5 +402,6 @@ fn a_burn_nn_transformer_with_dropout_trains_the_same_under_every_remat_mode() {
         encoder_loss,
         encoder_loss,
         true,
+        0.95,
     );
 }

@@ -11,8 +11,8 @@
 //! [`no_sync`]: crate::no_sync
 
 use crate::core::backend::Shard;
-use crate::core::dtype::register_autocast;
 use crate::core::error::ShardError;
+use crate::core::ops::register_autocast;
 use crate::core::scope::{self, AnyArc, MemKind, Set, with_kind};
 use crate::features::account::{MemoryProbe, StepMemory, grad_bytes, param_bytes};
 use crate::features::lowrank::masks_seeded;

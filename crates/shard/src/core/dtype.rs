@@ -173,25 +173,3 @@ pub(crate) fn promote2<B: Backend>(
     let to = promoted(a.dtype(), b.dtype());
     (widen::<B>(a, to), widen::<B>(b, to))
 }
-
-/// The dtype a compute-bound op's activation operand is cast to in the autodiff graph (kiln's
-/// burn-autodiff asks through its autocast hook): the policy's compute dtype for an f32 tensor
-/// while a lower-precision policy is in force, so that the op saves the cast tensor for its
-/// backward (what `torch.autocast`'s recorded cast does), else `None`.
-pub(crate) fn autocast_input<B: Backend>(
-    t: &crate::core::tensor::ShardTensor<B>,
-) -> Option<FloatDType> {
-    let compute = crate::core::scope::precision().compute;
-    (compute != FloatDType::F32 && t.dtype() == DType::F32).then_some(compute)
-}
-
-/// Registers [`autocast_input`] as this backend's autocast hook in kiln's burn-autodiff
-/// (idempotent; `shard` and every step call it).
-pub(crate) fn register_autocast<B: Backend>() {
-    #[cfg(burn_autodiff_hooks)]
-    burn_autodiff::distributed::register_autocast::<crate::core::backend::Shard<B>>(
-        burn_autodiff::distributed::Autocast {
-            input_dtype: autocast_input::<B>,
-        },
-    );
-}

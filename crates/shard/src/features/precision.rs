@@ -5,12 +5,15 @@
 //!   rounded to the compute dtype, run in it and leave their results in it, as
 //!   `torch.autocast`'s lower-precision list: the ops after them (attention's softmax, an
 //!   activation function, the next matmul) run in the compute dtype, and what autodiff saves
-//!   for backward is in it (half of f32's bytes for bf16 and f16);
+//!   for backward is in it (half of f32's bytes for bf16 and f16); an f32 activation entering
+//!   such an op (a norm's output) is cast in the autodiff graph first, so the op saves the
+//!   cast (kiln's burn-autodiff asks through its autocast hook, `ops::register_autocast`);
 //! - operands of different dtypes meet in the wider, as PyTorch promotes: a compute-dtype
 //!   branch added to an f32 residual stream gives f32, so the residual stream and the norms
 //!   reading it stay f32; the inner backend's reductions accumulate in f32 (Flex's do);
-//! - a parameter's gradient is handed on in the parameter's dtype (widened to f32 the moment
-//!   it is final, before reduction, accumulation and the optimizer);
+//! - a weight gradient is accumulated and kept in f32 (its inputs are in the compute dtype),
+//!   and every parameter's gradient is handed on in the parameter's dtype, so reduction,
+//!   accumulation and the optimizer's state stay f32;
 //! - a sharded parameter is all-gathered in the compute dtype (half the bytes of f32 for bf16
 //!   and f16), as FSDP2's `param_dtype`;
 //! - gradients are reduced in [`Precision::reduce`] (FSDP2's `reduce_dtype`).

@@ -133,7 +133,7 @@ where
             grad: crate::core::ops::batch::synced_grad::<B>,
         },
     );
-    crate::core::dtype::register_autocast::<B>();
+    crate::core::ops::register_autocast::<B>();
     if let Strategy::Hybrid { shard_size } = config.strategy
         && (shard_group.world_size() != shard_size || replicate_group.is_none())
     {

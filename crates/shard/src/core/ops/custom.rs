@@ -2,7 +2,7 @@
 
 use super::policy::{local, record, record_compute_with, view};
 use crate::core::backend::Shard;
-use crate::core::dtype::{lowered, promote};
+use crate::core::dtype::{lowered, promote, widen};
 use crate::core::host::{Host, collective_failed, read, write};
 use crate::core::scope;
 use crate::core::tensor::{
@@ -11,7 +11,9 @@ use crate::core::tensor::{
 use burn_backend::ops::*;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
 use burn_backend::tensor::{Device, FloatTensor, IntTensor, QuantizedTensor};
-use burn_backend::{Backend, Distribution, ExecutionError, Scalar, TensorData, TensorMetadata};
+use burn_backend::{
+    Backend, DType, Distribution, ExecutionError, Scalar, TensorData, TensorMetadata,
+};
 use burn_std::{FloatDType, Shape, Slice};
 use kiln_comm::ReduceOp;
 use std::sync::Arc;
@@ -478,7 +480,15 @@ pub(crate) fn linear_weight_backward<B: Backend>(
         return ShardTensor::Deferred(Arc::new(WeightGrad { x, dy: output_grad }));
     }
     record(vec![x, output_grad], move |t| {
-        let mut t = t.into_iter();
+        // Accumulated and kept in f32 when the inputs are in a half-precision compute dtype
+        // (their values are exact in f32): the gradient is the parameter's, widened to f32
+        // anyway, and rounding it to half first would make it depend on how the batch is cut
+        // over ranks (Megatron's gradient-accumulation fusion writes the weight gradient's
+        // GEMM in f32 too).
+        let mut t = t.into_iter().map(|t| match t.dtype() {
+            DType::BF16 | DType::F16 => widen::<B>(t, DType::F32),
+            _ => t,
+        });
         B::linear_weight_backward(t.next().expect("input"), t.next().expect("input"))
     })
 }

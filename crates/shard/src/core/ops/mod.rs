@@ -23,4 +23,4 @@ mod qtensor;
 mod coverage;
 
 pub use policy::{Cost, InnerOp, Recorder};
-pub(crate) use policy::{local, record_compute, unary};
+pub(crate) use policy::{local, record_compute, register_autocast, unary};
