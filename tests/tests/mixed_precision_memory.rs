@@ -23,19 +23,7 @@ const SEQ: usize = 64;
 const VOCAB: usize = 256;
 
 fn gpt2() -> kiln_gpt2::Gpt2Config {
-    kiln_gpt2::Gpt2Config {
-        vocab_size: VOCAB,
-        n_positions: SEQ,
-        n_embd: 256,
-        n_layer: 6,
-        n_head: 4,
-        n_inner: None,
-        activation_function: "gelu_new".into(),
-        layer_norm_epsilon: 1e-5,
-        scale_attn_weights: true,
-        scale_attn_by_inverse_layer_idx: false,
-        tie_word_embeddings: true,
-    }
+    kiln_gpt2::Gpt2Config::new(VOCAB, SEQ, 256, 6, 4)
 }
 
 /// Activation bytes of a training step of the GPT-2 above (8 sequences) under `precision`.

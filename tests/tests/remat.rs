@@ -256,19 +256,7 @@ fn check<MOff, MBal>(
 }
 
 fn gpt2() -> kiln_gpt2::Gpt2Config {
-    kiln_gpt2::Gpt2Config {
-        vocab_size: VOCAB,
-        n_positions: SEQ,
-        n_embd: 32,
-        n_layer: 2,
-        n_head: 2,
-        n_inner: None,
-        activation_function: "gelu_new".into(),
-        layer_norm_epsilon: 1e-5,
-        scale_attn_weights: true,
-        scale_attn_by_inverse_layer_idx: false,
-        tie_word_embeddings: true,
-    }
+    kiln_gpt2::Gpt2Config::new(VOCAB, SEQ, 32, 2, 2)
 }
 
 fn llama() -> kiln_llama::LlamaConfig {

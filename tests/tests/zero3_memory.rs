@@ -27,19 +27,7 @@ const BATCH: usize = 2;
 const SEQ: usize = 32;
 
 fn config() -> Gpt2Config {
-    Gpt2Config {
-        vocab_size: 512,
-        n_positions: SEQ,
-        n_embd: 64,
-        n_layer: 8,
-        n_head: 4,
-        n_inner: None,
-        activation_function: "gelu_new".into(),
-        layer_norm_epsilon: 1e-5,
-        scale_attn_weights: true,
-        scale_attn_by_inverse_layer_idx: false,
-        tie_word_embeddings: true,
-    }
+    Gpt2Config::new(512, SEQ, 64, 8, 4)
 }
 
 fn batch(rank: usize, step: usize) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {

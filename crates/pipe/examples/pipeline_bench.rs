@@ -40,20 +40,7 @@ fn gpt2(layers: usize, d: usize, seq: usize) -> kiln_gpt2::Gpt2<AB> {
 
 /// GPT-2 with a vocabulary of `vocab` tokens (the batches use the first 256).
 fn gpt2_with_vocab(layers: usize, d: usize, seq: usize, vocab: usize) -> kiln_gpt2::Gpt2<AB> {
-    kiln_gpt2::Gpt2Config {
-        vocab_size: vocab,
-        n_positions: seq,
-        n_embd: d,
-        n_layer: layers,
-        n_head: 4,
-        n_inner: None,
-        activation_function: "gelu_new".into(),
-        layer_norm_epsilon: 1e-5,
-        scale_attn_weights: true,
-        scale_attn_by_inverse_layer_idx: false,
-        tie_word_embeddings: true,
-    }
-    .init(&Default::default())
+    kiln_gpt2::Gpt2Config::new(vocab, seq, d, layers, 4).init(&Default::default())
 }
 
 fn tokens(rows: usize, seq: usize, step: usize, mb: usize, shift: usize) -> Tensor<AB, 2, Int> {

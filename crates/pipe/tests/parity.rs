@@ -404,20 +404,7 @@ const CASES: [(usize, usize, usize, ScheduleKind); 8] = [
 ];
 
 fn gpt2() -> kiln_gpt2::Gpt2<AB> {
-    kiln_gpt2::Gpt2Config {
-        vocab_size: VOCAB,
-        n_positions: SEQ,
-        n_embd: 16,
-        n_layer: 6,
-        n_head: 2,
-        n_inner: None,
-        activation_function: "gelu_new".into(),
-        layer_norm_epsilon: 1e-5,
-        scale_attn_weights: true,
-        scale_attn_by_inverse_layer_idx: false,
-        tie_word_embeddings: true,
-    }
-    .init(&Default::default())
+    kiln_gpt2::Gpt2Config::new(VOCAB, SEQ, 16, 6, 2).init(&Default::default())
 }
 
 fn llama() -> kiln_llama::Llama<AB> {

@@ -58,6 +58,30 @@ pub struct Gpt2Config {
 }
 
 impl Gpt2Config {
+    /// GPT-2 of these sizes with the rest as Hugging Face's GPT-2 has it (`4 n_embd` MLP,
+    /// `gelu_new`, epsilon 1e-5, scores scaled by `sqrt(head_dim)`, tied embeddings).
+    pub fn new(
+        vocab_size: usize,
+        n_positions: usize,
+        n_embd: usize,
+        n_layer: usize,
+        n_head: usize,
+    ) -> Self {
+        Gpt2Config {
+            vocab_size,
+            n_positions,
+            n_embd,
+            n_layer,
+            n_head,
+            n_inner: None,
+            activation_function: default_activation(),
+            layer_norm_epsilon: default_eps(),
+            scale_attn_weights: true,
+            scale_attn_by_inverse_layer_idx: false,
+            tie_word_embeddings: true,
+        }
+    }
+
     /// Reads `dir/config.json` and validates it.
     ///
     /// # Errors

@@ -191,8 +191,12 @@ impl<B: Backend> Copy for Autocast<B> {}
 /// skip the registry.
 static AUTOCAST: AtomicBool = AtomicBool::new(false);
 
-/// Registers `B`'s autocast hook. Idempotent.
+/// Registers `B`'s autocast hook. Idempotent (a registered hook is kept: a step may call
+/// this each time without taking the registry's write lock).
 pub fn register_autocast<B: Backend>(hook: Autocast<B>) {
+    if registered::<Autocast<B>>().is_some() {
+        return;
+    }
     registry()
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)

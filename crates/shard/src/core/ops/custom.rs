@@ -6,7 +6,7 @@ use crate::core::dtype::{lowered, promote, widen};
 use crate::core::host::{Host, collective_failed, read, write};
 use crate::core::scope;
 use crate::core::tensor::{
-    ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad, deferring_weight_grads,
+    Prim, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad, deferring_weight_grads,
 };
 use burn_backend::ops::*;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
@@ -426,28 +426,27 @@ pub(crate) fn linear<B: Backend>(
         },
         _ => (x, bias),
     };
-    let has_bias = bias.is_some();
     let mut inputs = vec![x, weight];
     inputs.extend(bias);
+    // `[x, w]` or `[x, w, bias]`.
+    let inner = |v: Vec<Prim<B>>| {
+        let mut v = v.into_iter();
+        let (x, w) = (v.next().expect("input"), v.next().expect("weight"));
+        B::linear(x, w, v.next())
+    };
     record_compute_with(inputs, move |policy, t| {
-        let mut t = t.into_iter();
-        let (x, w) = (t.next().expect("input"), t.next().expect("input"));
-        let bias = has_bias.then(|| t.next().expect("input"));
         if policy.compute == FloatDType::F32 {
-            let mut v = promote::<B>([x, w].into_iter().chain(bias).collect()).into_iter();
-            let (x, w) = (v.next().expect("input"), v.next().expect("input"));
-            return B::linear(x, w, v.next());
+            return inner(promote::<B>(t));
         }
+        let mut t = t.into_iter();
+        let (x, w) = (t.next().expect("input"), t.next().expect("weight"));
         // On Flex, without a half-precision copy of the weight (see `fast.rs`).
-        let (x, w, bias) = match super::fast::linear_half::<B>(x, w, bias, policy.compute.into()) {
-            Ok(y) => return y,
-            Err(args) => args,
-        };
-        lowered::<B>(policy, [x, w].into_iter().chain(bias).collect(), &|v| {
-            let mut v = v.into_iter();
-            let (x, w) = (v.next().expect("input"), v.next().expect("input"));
-            B::linear(x, w, v.next())
-        })
+        match super::fast::linear_half::<B>(x, w, t.next(), policy.compute.into()) {
+            Ok(y) => y,
+            Err((x, w, bias)) => {
+                lowered::<B>(policy, [x, w].into_iter().chain(bias).collect(), &inner)
+            }
+        }
     })
 }
 

@@ -153,9 +153,8 @@ fn exp_wide(x: f32) -> f64 {
 /// multiplied in f32 against the rounded input: the same products of rounded operands,
 /// accumulated in f32, with the bias added before the single rounding of the result.
 ///
-/// `None` (the arguments are handed back) unless the backend is Flex, `dtype` is bf16 or
-/// f16, the weight is a contiguous f32 `[in, out]` matrix and the input and bias are f32 or
-/// in `dtype`.
+/// The arguments are handed back unless the backend is Flex, `dtype` is bf16 or f16, the
+/// weight is a contiguous f32 `[in, out]` matrix and the input and bias are f32 or in `dtype`.
 #[allow(clippy::type_complexity)]
 pub(crate) fn linear_half<B: Backend>(
     x: Prim<B>,
@@ -163,64 +162,62 @@ pub(crate) fn linear_half<B: Backend>(
     bias: Option<Prim<B>>,
     dtype: DType,
 ) -> Result<Prim<B>, (Prim<B>, Prim<B>, Option<Prim<B>>)> {
-    use burn_flex::FlexTensor;
-    use std::any::Any;
+    fn flex<T: 'static>(t: &T) -> Option<&burn_flex::FlexTensor> {
+        (t as &dyn std::any::Any).downcast_ref()
+    }
+    let operand = |t: &Prim<B>| [DType::F32, dtype].contains(&t.dtype());
+    let w_shape = w.shape();
+    let k = if w_shape.num_dims() == 2 {
+        w_shape[0]
+    } else {
+        0
+    };
     let fits = TypeId::of::<B>() == TypeId::of::<burn_flex::Flex>()
         && matches!(dtype, DType::BF16 | DType::F16)
         && w.dtype() == DType::F32
-        && w.shape().num_dims() == 2
-        && [DType::F32, dtype].contains(&x.dtype())
-        && bias
-            .as_ref()
-            .is_none_or(|b| [DType::F32, dtype].contains(&b.dtype()));
-    let weight = (&w as &dyn Any)
-        .downcast_ref::<FlexTensor>()
-        .filter(|_| fits)
-        .and_then(|w| w.as_slice::<f32>());
-    let Some(weight) = weight else {
+        && w_shape.num_dims() == 2
+        && x.shape().num_dims() > 0
+        && x.shape()[x.shape().num_dims() - 1] == k
+        && operand(&x)
+        && bias.as_ref().is_none_or(operand);
+    let weight = flex(&w).filter(|_| fits).and_then(|w| w.as_slice::<f32>());
+    let (Some(weight), Some(xf)) = (weight, flex(&x)) else {
         return Err((x, w, bias));
     };
-    let [k, n] = w.shape().dims();
-    let x_shape = x.shape();
-    if x_shape.num_dims() == 0 || x_shape[x_shape.num_dims() - 1] != k {
-        return Err((x, w, bias));
-    }
-    let m = x_shape.num_elements() / k.max(1);
-    let round: fn(f32) -> f32 = match dtype {
-        DType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
-        _ => |v| half::f16::from_f32(v).to_f32(),
-    };
-    let device = B::float_device(&x);
-    // The input, rounded, as f32 (an f32 input is rounded here; a half one is exact).
-    let xs = values_f32::<B>(x, round);
-    let bias = bias.map(|b| values_f32::<B>(b, round));
-    let mut shape = x_shape.to_vec();
-    *shape.last_mut().expect("x has dimensions") = n;
+    let bias = bias.as_ref().and_then(flex);
     let data = match dtype {
-        DType::BF16 => {
-            let out = panels(
-                &xs,
-                weight,
-                bias.as_deref(),
-                [m, k, n],
-                round,
-                half::bf16::from_f32,
-            );
-            burn_backend::TensorData::new(out, shape)
-        }
-        _ => {
-            let out = panels(
-                &xs,
-                weight,
-                bias.as_deref(),
-                [m, k, n],
-                round,
-                half::f16::from_f32,
-            );
-            burn_backend::TensorData::new(out, shape)
-        }
+        DType::BF16 => half_linear(
+            xf,
+            weight,
+            bias,
+            k,
+            half::bf16::from_f32,
+            half::bf16::to_f32,
+        ),
+        _ => half_linear(xf, weight, bias, k, half::f16::from_f32, half::f16::to_f32),
     };
-    Ok(B::float_from_data(data, &device))
+    Ok(B::float_from_data(data, &B::float_device(&x)))
+}
+
+/// [`linear_half`] in the half type `H`: the input and bias rounded to `H` (exact if already
+/// in it) as f32, the product by [`panels`].
+fn half_linear<H: burn_backend::Element + bytemuck::Pod + Default>(
+    x: &burn_flex::FlexTensor,
+    weight: &[f32],
+    bias: Option<&burn_flex::FlexTensor>,
+    k: usize,
+    to_half: fn(f32) -> H,
+    to_f32: fn(H) -> f32,
+) -> burn_backend::TensorData {
+    let round = |v: f32| to_f32(to_half(v));
+    let n = weight.len() / k.max(1);
+    let xs = values_f32(x, round, to_f32);
+    let bias = bias.map(|b| values_f32(b, round, to_f32));
+    let m = xs.len() / k.max(1);
+    let out = panels(&xs, weight, bias.as_deref(), [m, k, n], round, to_half);
+    let mut shape = x.layout().shape().to_vec();
+    *shape.last_mut().expect("x has dimensions") = n;
+    burn_backend::TensorData::new(out, shape)
 }
 
 /// `round(xs) round(weight) + round(bias)` for `xs` `[m, k]` and `weight` `[k, n]`, a panel of
@@ -232,7 +229,7 @@ fn panels<H: Copy + Default>(
     weight: &[f32],
     bias: Option<&[f32]>,
     [m, k, n]: [usize; 3],
-    round: fn(f32) -> f32,
+    round: impl Fn(f32) -> f32,
     to_half: fn(f32) -> H,
 ) -> Vec<H> {
     const PANEL: usize = 128;
@@ -296,54 +293,29 @@ fn panels<H: Copy + Default>(
     out
 }
 
-/// A tensor's values as f32, each passed through `round` if the tensor is f32 (a half-precision
-/// tensor's values are exact in f32).
-fn values_f32<B: Backend>(t: Prim<B>, round: fn(f32) -> f32) -> Vec<f32> {
-    use std::any::Any;
-    // In place when the tensor is contiguous (a saved activation is shared: reading it out
-    // would copy it).
-    if let Some(t) = (&t as &dyn Any).downcast_ref::<burn_flex::FlexTensor>() {
-        match t.dtype() {
-            DType::F32 => {
-                if let Some(v) = t.as_slice::<f32>() {
-                    return v.iter().map(|v| round(*v)).collect();
-                }
-            }
-            DType::BF16 => {
-                if let Some(v) = t.as_slice::<half::bf16>() {
-                    return v.iter().map(|v| v.to_f32()).collect();
-                }
-            }
-            DType::F16 => {
-                if let Some(v) = t.as_slice::<half::f16>() {
-                    return v.iter().map(|v| v.to_f32()).collect();
-                }
-            }
-            _ => {}
+/// A Flex tensor's values as f32: an f32 tensor's each passed through `round`, a tensor in
+/// the half type `H` exactly (read in place when contiguous: a saved activation is shared,
+/// and reading it out would copy it).
+fn values_f32<H: burn_backend::Element + bytemuck::Pod>(
+    t: &burn_flex::FlexTensor,
+    round: impl Fn(f32) -> f32,
+    to_f32: fn(H) -> f32,
+) -> Vec<f32> {
+    let contiguous;
+    let t = match t.layout().contiguous_offsets() {
+        Some(_) => t,
+        None => {
+            contiguous = t.to_contiguous();
+            &contiguous
         }
-    }
-    let dtype = t.dtype();
-    let data = try_read_sync(B::float_into_data(t))
-        .expect("Flex reads synchronously")
-        .expect("reading a Flex tensor");
-    match dtype {
-        DType::F32 => data
-            .as_slice::<f32>()
-            .expect("f32 data")
+    };
+    match t.as_slice::<f32>() {
+        Some(v) => v.iter().map(|v| round(*v)).collect(),
+        None => t
+            .as_slice::<H>()
+            .expect("an f32 tensor or one in the compute dtype")
             .iter()
-            .map(|v| round(*v))
-            .collect(),
-        DType::BF16 => data
-            .as_slice::<half::bf16>()
-            .expect("bf16 data")
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        _ => data
-            .as_slice::<half::f16>()
-            .expect("f16 data")
-            .iter()
-            .map(|v| v.to_f32())
+            .map(|v| to_f32(*v))
             .collect(),
     }
 }
