@@ -30,6 +30,13 @@ float_add float_sub float_mul float_div float_remainder float_powf float_atan2
 relu_backward gelu_backward sigmoid_backward log_sigmoid_backward
 """.split())
 
+# Ops along one dimension (`dim`): every other index is independent, so a tensor split along
+# another dimension (tensor parallelism) applies them to its part.
+ALONG = set("""
+float_sum_dim float_prod_dim float_cumsum float_cumprod float_cummin float_cummax
+float_max_dim float_min_dim softmax log_softmax
+""".split())
+
 # Hand-written in ops/custom.rs (same name, same arguments).
 CUSTOM = set("""
 float_from_data float_random float_zeros float_ones float_full float_empty float_into_data
@@ -37,7 +44,8 @@ float_device float_is_require_grad float_sum float_mean float_max float_min embe
 max_pool1d_with_indices max_pool1d_with_indices_backward max_pool2d_with_indices
 max_pool2d_with_indices_backward deform_conv2d_backward quantize
 float_reshape float_swap_dims float_transpose float_permute float_slice float_expand
-linear linear_x_backward linear_weight_backward float_exp sigmoid float_mean_dim
+linear linear_x_backward linear_weight_backward linear_bias_backward float_exp sigmoid float_mean_dim
+float_matmul float_slice_assign
 """.split())
 
 # Contractions: their recomputation costs output elements x the contracted dimension (for
@@ -146,6 +154,9 @@ def body(m):
         owned = "".join(f"let {n} = {n}.to_owned(); " for n, t, _ in args[1:] if t.startswith("&"))
         rest = "".join(f", &{n}" if t.startswith("&") else f", {n}" for n, t, _ in args[1:])
         return f"{owned}unary({names[0]}, move |t| B::{name}(t{rest}))"
+    if name in ALONG:
+        assert args[0][1] == FLOAT and args[1][0] == "dim" and ret == FLOAT and len(args) == 2, name
+        return f"along({names[0]}, dim, move |t| B::{name}(t, dim))"
     if name in BINARY:
         assert args[0][1] == FLOAT and args[1][1] == FLOAT and ret == FLOAT, name
         rest = "".join(f", {n}" for n in names[2:])
@@ -158,6 +169,12 @@ def body(m):
         if r is not None:
             return r
     return conv_ret(call, ret)
+
+
+def takes_float(m):
+    """Whether a float tensor is among the method's arguments."""
+    return (not m["is_async"]) and any(
+        "FloatTensor" in t or "TensorPrimitive" in t for _, t, _ in m["args"])
 
 
 # The file each trait's forwarding is written to (one file per Burn ops trait).
@@ -177,7 +194,7 @@ HEADER = [
     "#![allow(clippy::too_many_arguments, clippy::clone_on_copy, unused_mut, unused_imports)]",
     "",
     "use super::custom;",
-    "use super::policy::{binary, local, local_primitive, local_wrap_primitive, record, record_compute, unary};",
+    "use super::policy::{along, binary, local, local_primitive, local_wrap_primitive, op_name, record, record_compute, unary};",
     "use crate::core::backend::Shard;",
     "use crate::core::tensor::ShardTensor;",
     "use burn_backend::ops::*;",
@@ -201,6 +218,9 @@ def main():
         out.append(f"impl<B: Backend> {trait}<Self> for Shard<B> {{")
         for m in parse.methods(trait, path):
             out.append(f"    {signature(m)} {{")
+            if takes_float(m):
+                # Named for reports of values formed by ops without a rule (see `op_name`).
+                out.append(f"        op_name(\"{m['name']}\");")
             out.append(f"        {body(m)}")
             out.append("    }")
         out.append("}")

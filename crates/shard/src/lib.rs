@@ -62,7 +62,7 @@ pub use crate::core::error::ShardError;
 pub use crate::core::scope::local_reads;
 pub use crate::core::tensor::{Deferred, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad};
 pub use features::zero::View;
-pub use features::{lowrank, precision, remat};
+pub use features::{lowrank, precision, remat, tp};
 pub use precision::{LossScale, Precision, autocast};
 pub use step::{Passes, StepConfig, StepStats, step, step_with};
 pub use strategy::buffers::{buffer_paths, sync_buffers};
@@ -73,3 +73,4 @@ pub use strategy::shard::{
     ShardGroups, backward, gather_model, no_sync, optimizer_state_group, reduce_gradients, release,
     remark, shard, shard_over, with_batch_statistics,
 };
+pub use strategy::tp::{Style as TpStyle, TpPlan, TpReport, tensor_parallel};

@@ -77,7 +77,58 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
     ) -> Result<ShardTensor<B>, ShardTensor<B>> {
         Err(dy)
     }
+    /// An elementwise op on two tensors (broadcasting), `f(self, other)` or, when `!self_lhs`,
+    /// `f(other, self)`, computed without forming the value, or `other` back.
+    fn binary(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        _self_lhs: bool,
+        _f: &Binary<B>,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        Err(other)
+    }
+    /// `matmul(self, other)` or, when `!self_lhs`, `matmul(other, self)` (`f` is the inner
+    /// matmul under the precision policy), or `other` back.
+    fn matmul(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        _self_lhs: bool,
+        _f: &Binary<B>,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        Err(other)
+    }
+    /// An op that works along dimension `dim` only (a reduction keeping it, a cumulative op):
+    /// every other index is independent.
+    fn along(&self, _dim: usize, _f: &Elementwise<B>) -> Option<ShardTensor<B>> {
+        None
+    }
+    /// `linear_weight_backward(x, dy)` where `self` is `x` (`self_is_x`) or `dy`, or the other
+    /// back.
+    fn weight_grad(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        _self_is_x: bool,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        Err(other)
+    }
+    /// `slice_assign(target, slices, self)` computed without forming the value, or `target`
+    /// back.
+    fn slice_assign(
+        self: Arc<Self>,
+        target: ShardTensor<B>,
+        _slices: &[Slice],
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        Err(target)
+    }
+    /// `linear_bias_backward(self)`, the output gradient summed over every dimension but the
+    /// last.
+    fn bias_grad(&self) -> Option<ShardTensor<B>> {
+        None
+    }
 }
+
+/// An elementwise op on two inner tensors.
+pub type Binary<B> = Arc<dyn Fn(Prim<B>, Prim<B>) -> Prim<B> + Send + Sync>;
 
 /// `linear`'s result, or its arguments `(x, bias)` back when not handled.
 pub type LinearArgs<B> = Result<ShardTensor<B>, (ShardTensor<B>, Option<ShardTensor<B>>)>;

@@ -31,3 +31,4 @@ pub mod shard;
 pub(crate) mod state;
 pub mod stats;
 pub(crate) mod sync;
+pub mod tp;

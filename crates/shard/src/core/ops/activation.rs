@@ -10,7 +10,8 @@
 
 use super::custom;
 use super::policy::{
-    binary, local, local_primitive, local_wrap_primitive, record, record_compute, unary,
+    along, binary, local, local_primitive, local_wrap_primitive, op_name, record, record_compute,
+    unary,
 };
 use crate::core::backend::Shard;
 use crate::core::tensor::ShardTensor;
@@ -23,57 +24,65 @@ use std::ops::Range;
 
 impl<B: Backend> ActivationOps<Self> for Shard<B> {
     fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> {
+        op_name("leaky_relu");
         unary(tensor, move |t| B::leaky_relu(t, negative_slope))
     }
     fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("relu");
         unary(tensor, move |t| B::relu(t))
     }
     fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("relu_backward");
         binary(output, grad, move |a, b| B::relu_backward(a, b))
     }
     fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("gelu");
         unary(tensor, move |t| B::gelu(t))
     }
     fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("prelu");
         record(vec![tensor, alpha], move |t| {
             let mut t = t.into_iter();
             B::prelu(t.next().expect("input"), t.next().expect("input"))
         })
     }
     fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("gelu_backward");
         binary(x, grad, move |a, b| B::gelu_backward(a, b))
     }
     fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("sigmoid");
         custom::sigmoid::<B>(tensor)
     }
     fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("sigmoid_backward");
         binary(output, grad, move |a, b| B::sigmoid_backward(a, b))
     }
     fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> {
+        op_name("hard_sigmoid");
         unary(tensor, move |t| B::hard_sigmoid(t, alpha, beta))
     }
     fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("log_sigmoid");
         unary(tensor, move |t| B::log_sigmoid(t))
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::softmax(t.next().expect("input"), dim.clone())
-        })
+        op_name("softmax");
+        along(tensor, dim, move |t| B::softmax(t, dim))
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::log_softmax(t.next().expect("input"), dim.clone())
-        })
+        op_name("log_softmax");
+        along(tensor, dim, move |t| B::log_softmax(t, dim))
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        op_name("softmin");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::softmin(t.next().expect("input"), dim.clone())
         })
     }
     fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("log_sigmoid_backward");
         binary(x, grad, move |a, b| B::log_sigmoid_backward(a, b))
     }
 }

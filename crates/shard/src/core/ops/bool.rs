@@ -10,7 +10,8 @@
 
 use super::custom;
 use super::policy::{
-    binary, local, local_primitive, local_wrap_primitive, record, record_compute, unary,
+    along, binary, local, local_primitive, local_wrap_primitive, op_name, record, record_compute,
+    unary,
 };
 use crate::core::backend::Shard;
 use crate::core::tensor::ShardTensor;

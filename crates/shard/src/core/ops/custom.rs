@@ -2,11 +2,11 @@
 
 use super::policy::{local, record, record_compute_with, view};
 use crate::core::backend::Shard;
-use crate::core::dtype::{lowered, promote, widen};
+use crate::core::dtype::{Precision, lowered, promote, widen};
 use crate::core::host::{Host, collective_failed, read, write};
 use crate::core::scope;
 use crate::core::tensor::{
-    Prim, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad, deferring_weight_grads,
+    Binary, Prim, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad, deferring_weight_grads,
 };
 use burn_backend::ops::*;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
@@ -251,9 +251,7 @@ pub(crate) fn float_mean_dim<B: Backend>(
 ) -> FloatTensor<Shard<B>> {
     match super::batch::mean_dim::<B>(tensor, dim) {
         Ok(mean) => mean,
-        Err(tensor) => record(vec![tensor], move |t| {
-            B::float_mean_dim(t.into_iter().next().expect("input"), dim)
-        }),
+        Err(tensor) => super::policy::along(tensor, dim, move |t| B::float_mean_dim(t, dim)),
     }
 }
 
@@ -428,25 +426,103 @@ pub(crate) fn linear<B: Backend>(
     };
     let mut inputs = vec![x, weight];
     inputs.extend(bias);
-    // `[x, w]` or `[x, w, bias]`.
+    record_compute_with(inputs, linear_prims::<B>)
+}
+
+/// `linear` on inner tensors `[x, w]` or `[x, w, bias]` under `policy`.
+pub(crate) fn linear_prims<B: Backend>(policy: Precision, t: Vec<Prim<B>>) -> Prim<B> {
     let inner = |v: Vec<Prim<B>>| {
         let mut v = v.into_iter();
         let (x, w) = (v.next().expect("input"), v.next().expect("weight"));
         B::linear(x, w, v.next())
     };
-    record_compute_with(inputs, move |policy, t| {
-        if policy.compute == FloatDType::F32 {
-            return inner(promote::<B>(t));
-        }
-        let mut t = t.into_iter();
-        let (x, w) = (t.next().expect("input"), t.next().expect("weight"));
-        // On Flex, without a half-precision copy of the weight (see `fast.rs`).
-        match super::fast::linear_half::<B>(x, w, t.next(), policy.compute.into()) {
-            Ok(y) => y,
-            Err((x, w, bias)) => {
-                lowered::<B>(policy, [x, w].into_iter().chain(bias).collect(), &inner)
+    if policy.compute == FloatDType::F32 {
+        return inner(promote::<B>(t));
+    }
+    let mut t = t.into_iter();
+    let (x, w) = (t.next().expect("input"), t.next().expect("weight"));
+    // On Flex, without a half-precision copy of the weight (see `fast.rs`).
+    match super::fast::linear_half::<B>(x, w, t.next(), policy.compute.into()) {
+        Ok(y) => y,
+        Err((x, w, bias)) => lowered::<B>(policy, [x, w].into_iter().chain(bias).collect(), &inner),
+    }
+}
+
+/// `matmul`: a deferred operand may compute it without being formed (a tensor-parallel part).
+pub(crate) fn float_matmul<B: Backend>(
+    lhs: FloatTensor<Shard<B>>,
+    rhs: FloatTensor<Shard<B>>,
+) -> FloatTensor<Shard<B>> {
+    let hooked = match (&lhs, &rhs) {
+        (ShardTensor::Deferred(d), _) => Some((d.clone(), true)),
+        (_, ShardTensor::Deferred(d)) => Some((d.clone(), false)),
+        _ => None,
+    };
+    let (lhs, rhs) = match hooked {
+        Some((d, self_lhs)) => {
+            let policy = scope::precision();
+            let f: Binary<B> = Arc::new(move |a, b| matmul_prims::<B>(policy, a, b));
+            let other = if self_lhs { rhs } else { lhs };
+            match d.clone().matmul(other, self_lhs, &f) {
+                Ok(y) => return y,
+                Err(other) if self_lhs => (ShardTensor::Deferred(d), other),
+                Err(other) => (other, ShardTensor::Deferred(d)),
             }
         }
+        None => (lhs, rhs),
+    };
+    record_compute_with(vec![lhs, rhs], move |policy, t| {
+        let mut t = t.into_iter();
+        let a = t.next().expect("input");
+        matmul_prims::<B>(policy, a, t.next().expect("input"))
+    })
+}
+
+/// `matmul` on inner tensors under `policy`.
+pub(crate) fn matmul_prims<B: Backend>(policy: Precision, a: Prim<B>, b: Prim<B>) -> Prim<B> {
+    let inner = |v: Vec<Prim<B>>| {
+        let mut v = v.into_iter();
+        let a = v.next().expect("input");
+        B::float_matmul(a, v.next().expect("input"))
+    };
+    if policy.compute == FloatDType::F32 {
+        return inner(promote::<B>(vec![a, b]));
+    }
+    lowered::<B>(policy, vec![a, b], &inner)
+}
+
+/// `slice_assign`: a deferred value may write itself without being formed (a tensor-parallel
+/// part: the backward of slicing a split tensor).
+pub(crate) fn float_slice_assign<B: Backend>(
+    tensor: FloatTensor<Shard<B>>,
+    slices: &[Slice],
+    value: FloatTensor<Shard<B>>,
+) -> FloatTensor<Shard<B>> {
+    let tensor = match &value {
+        ShardTensor::Deferred(d) => match d.clone().slice_assign(tensor, slices) {
+            Ok(t) => return t,
+            Err(t) => t,
+        },
+        _ => tensor,
+    };
+    let slices = slices.to_owned();
+    record(vec![tensor, value], move |t| {
+        let mut t = t.into_iter();
+        B::float_slice_assign(t.next().expect("input"), &slices, t.next().expect("input"))
+    })
+}
+
+/// `Linear`'s bias gradient: a deferred output gradient may compute it without being formed.
+pub(crate) fn linear_bias_backward<B: Backend>(
+    output_grad: FloatTensor<Shard<B>>,
+) -> FloatTensor<Shard<B>> {
+    if let ShardTensor::Deferred(d) = &output_grad
+        && let Some(g) = d.bias_grad()
+    {
+        return g;
+    }
+    record(vec![output_grad], move |t| {
+        B::linear_bias_backward(t.into_iter().next().expect("input"))
     })
 }
 
@@ -478,7 +554,24 @@ pub(crate) fn linear_weight_backward<B: Backend>(
     if deferring_weight_grads() {
         return ShardTensor::Deferred(Arc::new(WeightGrad { x, dy: output_grad }));
     }
-    record(vec![x, output_grad], move |t| {
+    // A deferred operand may compute it without being formed (a tensor-parallel part).
+    let (x, output_grad) = match (x, output_grad) {
+        (ShardTensor::Deferred(d), dy) => match d.clone().weight_grad(dy, true) {
+            Ok(g) => return g,
+            Err(dy) => (ShardTensor::Deferred(d), dy),
+        },
+        (x, ShardTensor::Deferred(d)) => match d.clone().weight_grad(x, false) {
+            Ok(g) => return g,
+            Err(x) => (x, ShardTensor::Deferred(d)),
+        },
+        xd => xd,
+    };
+    record(vec![x, output_grad], move |t| weight_grad_prims::<B>(t))
+}
+
+/// `linear_weight_backward` on inner tensors `[x, dy]`.
+pub(crate) fn weight_grad_prims<B: Backend>(t: Vec<Prim<B>>) -> Prim<B> {
+    {
         // Accumulated and kept in f32 when the inputs are in a half-precision compute dtype
         // (their values are exact in f32): the gradient is the parameter's, widened to f32
         // anyway, and rounding it to half first would make it depend on how the batch is cut
@@ -489,7 +582,7 @@ pub(crate) fn linear_weight_backward<B: Backend>(
             _ => t,
         });
         B::linear_weight_backward(t.next().expect("input"), t.next().expect("input"))
-    })
+    }
 }
 
 /// `exp`: on Flex in f32, kiln's vectorised kernel (see `fast.rs`).

@@ -10,7 +10,8 @@
 
 use super::custom;
 use super::policy::{
-    binary, local, local_primitive, local_wrap_primitive, record, record_compute, unary,
+    along, binary, local, local_primitive, local_wrap_primitive, op_name, record, record_compute,
+    unary,
 };
 use crate::core::backend::Shard;
 use crate::core::tensor::ShardTensor;
@@ -50,77 +51,94 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        op_name("float_into_data");
         custom::float_into_data::<B>(tensor)
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
+        op_name("float_device");
         custom::float_device::<B>(tensor)
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
+        op_name("float_to_device");
         let device = device.to_owned();
         unary(tensor, move |t| B::float_to_device(t, &device))
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
+        op_name("float_into_int");
         B::float_into_int(local(tensor), out_dtype)
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         custom::float_empty::<B>(shape, device, dtype)
     }
     fn float_repeat_dim(tensor: FloatTensor<Self>, dim: usize, times: usize) -> FloatTensor<Self> {
+        op_name("float_repeat_dim");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_repeat_dim(t.next().expect("input"), dim.clone(), times.clone())
         })
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_add");
         binary(lhs, rhs, move |a, b| B::float_add(a, b))
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        op_name("float_add_scalar");
         unary(lhs, move |t| B::float_add_scalar(t, rhs))
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
+        op_name("float_clamp_min");
         unary(tensor, move |t| B::float_clamp_min(t, min))
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
+        op_name("float_clamp_max");
         unary(tensor, move |t| B::float_clamp_max(t, max))
     }
     fn float_clamp(tensor: FloatTensor<Self>, min: Scalar, max: Scalar) -> FloatTensor<Self> {
+        op_name("float_clamp");
         unary(tensor, move |t| B::float_clamp(t, min, max))
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_sub");
         binary(lhs, rhs, move |a, b| B::float_sub(a, b))
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        op_name("float_sub_scalar");
         unary(lhs, move |t| B::float_sub_scalar(t, rhs))
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_mul");
         binary(lhs, rhs, move |a, b| B::float_mul(a, b))
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        op_name("float_mul_scalar");
         unary(lhs, move |t| B::float_mul_scalar(t, rhs))
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_div");
         binary(lhs, rhs, move |a, b| B::float_div(a, b))
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        op_name("float_div_scalar");
         unary(lhs, move |t| B::float_div_scalar(t, rhs))
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_remainder");
         binary(lhs, rhs, move |a, b| B::float_remainder(a, b))
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        op_name("float_remainder_scalar");
         unary(lhs, move |t| B::float_remainder_scalar(t, rhs))
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        record_compute(vec![lhs, rhs], move |t| {
-            let mut t = t.into_iter();
-            B::float_matmul(t.next().expect("input"), t.next().expect("input"))
-        })
+        op_name("float_matmul");
+        custom::float_matmul::<B>(lhs, rhs)
     }
     fn float_cross(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
         dim: usize,
     ) -> FloatTensor<Self> {
+        op_name("float_cross");
         record(vec![lhs, rhs], move |t| {
             let mut t = t.into_iter();
             B::float_cross(
@@ -131,21 +149,27 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         })
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_neg");
         unary(tensor, move |t| B::float_neg(t))
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_recip");
         unary(tensor, move |t| B::float_recip(t))
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_transpose");
         custom::float_transpose::<B>(tensor)
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
+        op_name("float_swap_dims");
         custom::float_swap_dims::<B>(tensor, dim1, dim2)
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
+        op_name("float_permute");
         custom::float_permute::<B>(tensor, axes)
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
+        op_name("float_flip");
         let axes = axes.to_owned();
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
@@ -153,6 +177,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         })
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        op_name("float_reshape");
         custom::float_reshape::<B>(tensor, shape)
     }
     fn float_gather(
@@ -160,6 +185,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         tensor: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("float_gather");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_gather(dim.clone(), t.next().expect("input"), indices.clone())
@@ -171,6 +197,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("float_scatter_add");
         record(vec![tensor, value], move |t| {
             let mut t = t.into_iter();
             B::float_scatter_add(
@@ -187,6 +214,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         values: FloatTensor<Self>,
         reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> FloatTensor<Self> {
+        op_name("float_scatter_nd");
         record(vec![data, values], move |t| {
             let mut t = t.into_iter();
             B::float_scatter_nd(
@@ -198,6 +226,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         })
     }
     fn float_gather_nd(data: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_gather_nd");
         record(vec![data], move |t| {
             let mut t = t.into_iter();
             B::float_gather_nd(t.next().expect("input"), indices.clone())
@@ -208,6 +237,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("float_select");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_select(t.next().expect("input"), dim.clone(), indices.clone())
@@ -219,6 +249,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("float_select_add");
         record(vec![tensor, value], move |t| {
             let mut t = t.into_iter();
             B::float_select_add(
@@ -230,6 +261,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         })
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
+        op_name("float_slice");
         custom::float_slice::<B>(tensor, slices)
     }
     fn float_slice_assign(
@@ -237,17 +269,15 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let slices = slices.to_owned();
-        record(vec![tensor, value], move |t| {
-            let mut t = t.into_iter();
-            B::float_slice_assign(t.next().expect("input"), &slices, t.next().expect("input"))
-        })
+        op_name("float_slice_assign");
+        custom::float_slice_assign::<B>(tensor, slices, value)
     }
     fn float_mask_where(
         tensor: FloatTensor<Self>,
         mask: BoolTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("float_mask_where");
         record(vec![tensor, value], move |t| {
             let mut t = t.into_iter();
             B::float_mask_where(
@@ -262,6 +292,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> FloatTensor<Self> {
+        op_name("float_mask_fill");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_mask_fill(t.next().expect("input"), mask.clone(), value.clone())
@@ -272,6 +303,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_equal");
         B::float_equal(local(lhs), local(rhs), out_dtype)
     }
     fn float_not_equal(
@@ -279,6 +311,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_not_equal");
         B::float_not_equal(local(lhs), local(rhs), out_dtype)
     }
     fn float_equal_elem(
@@ -286,6 +319,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_equal_elem");
         B::float_equal_elem(local(lhs), rhs, out_dtype)
     }
     fn float_not_equal_elem(
@@ -293,6 +327,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_not_equal_elem");
         B::float_not_equal_elem(local(lhs), rhs, out_dtype)
     }
     fn float_greater(
@@ -300,6 +335,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_greater");
         B::float_greater(local(lhs), local(rhs), out_dtype)
     }
     fn float_greater_elem(
@@ -307,6 +343,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_greater_elem");
         B::float_greater_elem(local(lhs), rhs, out_dtype)
     }
     fn float_greater_equal(
@@ -314,6 +351,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_greater_equal");
         B::float_greater_equal(local(lhs), local(rhs), out_dtype)
     }
     fn float_greater_equal_elem(
@@ -321,6 +359,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_greater_equal_elem");
         B::float_greater_equal_elem(local(lhs), rhs, out_dtype)
     }
     fn float_lower(
@@ -328,6 +367,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_lower");
         B::float_lower(local(lhs), local(rhs), out_dtype)
     }
     fn float_lower_elem(
@@ -335,6 +375,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_lower_elem");
         B::float_lower_elem(local(lhs), rhs, out_dtype)
     }
     fn float_lower_equal(
@@ -342,6 +383,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_lower_equal");
         B::float_lower_equal(local(lhs), local(rhs), out_dtype)
     }
     fn float_lower_equal_elem(
@@ -349,162 +391,189 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_lower_equal_elem");
         B::float_lower_equal_elem(local(lhs), rhs, out_dtype)
     }
     fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_detach");
         unary(tensor, move |t| B::float_detach(t))
     }
     fn float_set_require_grad(tensor: FloatTensor<Self>, require_grad: bool) -> FloatTensor<Self> {
+        op_name("float_set_require_grad");
         unary(tensor, move |t| B::float_set_require_grad(t, require_grad))
     }
     fn float_is_require_grad(tensor: &FloatTensor<Self>) -> bool {
+        op_name("float_is_require_grad");
         custom::float_is_require_grad::<B>(tensor)
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_sum");
         custom::float_sum::<B>(tensor)
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_sum_dim(t.next().expect("input"), dim.clone())
-        })
+        op_name("float_sum_dim");
+        along(tensor, dim, move |t| B::float_sum_dim(t, dim))
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_prod");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_prod(t.next().expect("input"))
         })
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_prod_dim(t.next().expect("input"), dim.clone())
-        })
+        op_name("float_prod_dim");
+        along(tensor, dim, move |t| B::float_prod_dim(t, dim))
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_mean");
         custom::float_mean::<B>(tensor)
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        op_name("float_mean_dim");
         custom::float_mean_dim::<B>(tensor, dim)
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_cumsum(t.next().expect("input"), dim.clone())
-        })
+        op_name("float_cumsum");
+        along(tensor, dim, move |t| B::float_cumsum(t, dim))
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_cumprod(t.next().expect("input"), dim.clone())
-        })
+        op_name("float_cumprod");
+        along(tensor, dim, move |t| B::float_cumprod(t, dim))
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_cummin(t.next().expect("input"), dim.clone())
-        })
+        op_name("float_cummin");
+        along(tensor, dim, move |t| B::float_cummin(t, dim))
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_cummax(t.next().expect("input"), dim.clone())
-        })
+        op_name("float_cummax");
+        along(tensor, dim, move |t| B::float_cummax(t, dim))
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        op_name("float_cast");
         unary(tensor, move |t| B::float_cast(t, dtype))
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_exp");
         custom::float_exp::<B>(tensor)
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_log");
         unary(tensor, move |t| B::float_log(t))
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_log1p");
         unary(tensor, move |t| B::float_log1p(t))
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_powf");
         binary(lhs, rhs, move |a, b| B::float_powf(a, b))
     }
     fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_powi");
         record(vec![lhs], move |t| {
             let mut t = t.into_iter();
             B::float_powi(t.next().expect("input"), rhs.clone())
         })
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        op_name("float_powi_scalar");
         unary(lhs, move |t| B::float_powi_scalar(t, rhs))
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        op_name("float_powi_scalar_impl");
         unary(lhs, move |t| B::float_powi_scalar_impl(t, rhs))
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+        op_name("float_powf_scalar");
         unary(tensor, move |t| B::float_powf_scalar(t, value))
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+        op_name("float_powf_scalar_impl");
         unary(tensor, move |t| B::float_powf_scalar_impl(t, value))
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_sqrt");
         unary(tensor, move |t| B::float_sqrt(t))
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_abs");
         unary(tensor, move |t| B::float_abs(t))
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_cos");
         unary(tensor, move |t| B::float_cos(t))
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_sin");
         unary(tensor, move |t| B::float_sin(t))
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_tan");
         unary(tensor, move |t| B::float_tan(t))
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_cosh");
         unary(tensor, move |t| B::float_cosh(t))
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_sinh");
         unary(tensor, move |t| B::float_sinh(t))
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_tanh");
         unary(tensor, move |t| B::float_tanh(t))
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_acos");
         unary(tensor, move |t| B::float_acos(t))
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_acosh");
         unary(tensor, move |t| B::float_acosh(t))
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_asin");
         unary(tensor, move |t| B::float_asin(t))
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_asinh");
         unary(tensor, move |t| B::float_asinh(t))
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_atan");
         unary(tensor, move |t| B::float_atan(t))
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_atanh");
         unary(tensor, move |t| B::float_atanh(t))
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_atan2");
         binary(lhs, rhs, move |a, b| B::float_atan2(a, b))
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_round");
         unary(tensor, move |t| B::float_round(t))
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_floor");
         unary(tensor, move |t| B::float_floor(t))
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_ceil");
         unary(tensor, move |t| B::float_ceil(t))
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_trunc");
         unary(tensor, move |t| B::float_trunc(t))
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_erf");
         unary(tensor, move |t| B::float_erf(t))
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
+        op_name("float_cat");
         let n_tensors = tensors.len();
         let mut inputs = Vec::new();
         inputs.extend(tensors);
@@ -514,6 +583,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         })
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
+        op_name("float_argmax");
         B::float_argmax(local(tensor), dim, out_dtype)
     }
     fn float_argtopk(
@@ -522,68 +592,74 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        op_name("float_argtopk");
         B::float_argtopk(local(tensor), dim, k, out_dtype)
     }
     fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> {
+        op_name("float_topk");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_topk(t.next().expect("input"), dim.clone(), k.clone())
         })
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
+        op_name("float_argmin");
         B::float_argmin(local(tensor), dim, out_dtype)
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_max");
         custom::float_max::<B>(tensor)
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_max_dim(t.next().expect("input"), dim.clone())
-        })
+        op_name("float_max_dim");
+        along(tensor, dim, move |t| B::float_max_dim(t, dim))
     }
     fn float_max_dim_with_indices(
         tensor: FloatTensor<Self>,
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        op_name("float_max_dim_with_indices");
         {
             let (a, b) = B::float_max_dim_with_indices(local(tensor), dim, indices_dtype);
             (ShardTensor::Local(a), b)
         }
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_min");
         custom::float_min::<B>(tensor)
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_min_dim(t.next().expect("input"), dim.clone())
-        })
+        op_name("float_min_dim");
+        along(tensor, dim, move |t| B::float_min_dim(t, dim))
     }
     fn float_min_dim_with_indices(
         tensor: FloatTensor<Self>,
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        op_name("float_min_dim_with_indices");
         {
             let (a, b) = B::float_min_dim_with_indices(local(tensor), dim, indices_dtype);
             (ShardTensor::Local(a), b)
         }
     }
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_max_abs");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_max_abs(t.next().expect("input"))
         })
     }
     fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        op_name("float_max_abs_dim");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_max_abs_dim(t.next().expect("input"), dim.clone())
         })
     }
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        op_name("float_any");
         B::float_any(local(tensor), out_dtype)
     }
     fn float_any_dim(
@@ -591,9 +667,11 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_any_dim");
         B::float_any_dim(local(tensor), dim, out_dtype)
     }
     fn float_all(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        op_name("float_all");
         B::float_all(local(tensor), out_dtype)
     }
     fn float_all_dim(
@@ -601,15 +679,19 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        op_name("float_all_dim");
         B::float_all_dim(local(tensor), dim, out_dtype)
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        op_name("float_sign");
         unary(tensor, move |t| B::float_sign(t))
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        op_name("float_expand");
         custom::float_expand::<B>(tensor, shape)
     }
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
+        op_name("float_sort");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_sort(t.next().expect("input"), dim.clone(), descending.clone())
@@ -621,6 +703,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         descending: bool,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        op_name("float_sort_with_indices");
         {
             let (a, b) = B::float_sort_with_indices(local(tensor), dim, descending, indices_dtype);
             (ShardTensor::Local(a), b)
@@ -632,6 +715,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        op_name("float_argsort");
         B::float_argsort(local(tensor), dim, descending, out_dtype)
     }
     fn float_grid_sample_2d(
@@ -639,6 +723,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         grid: FloatTensor<Self>,
         options: GridSampleOptions,
     ) -> FloatTensor<Self> {
+        op_name("float_grid_sample_2d");
         record(vec![tensor, grid], move |t| {
             let mut t = t.into_iter();
             B::float_grid_sample_2d(
@@ -654,6 +739,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         size: usize,
         step: usize,
     ) -> FloatTensor<Self> {
+        op_name("float_unfold");
         record(vec![tensor], move |t| {
             let mut t = t.into_iter();
             B::float_unfold(
@@ -665,9 +751,11 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         })
     }
     fn float_is_nan(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        op_name("float_is_nan");
         B::float_is_nan(local(tensor), out_dtype)
     }
     fn float_is_inf(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        op_name("float_is_inf");
         B::float_is_inf(local(tensor), out_dtype)
     }
 }

@@ -10,7 +10,8 @@
 
 use super::custom;
 use super::policy::{
-    binary, local, local_primitive, local_wrap_primitive, record, record_compute, unary,
+    along, binary, local, local_primitive, local_wrap_primitive, op_name, record, record_compute,
+    unary,
 };
 use crate::core::backend::Shard;
 use crate::core::tensor::ShardTensor;
@@ -23,6 +24,7 @@ use std::ops::Range;
 
 impl<B: Backend> ModuleOps<Self> for Shard<B> {
     fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+        op_name("embedding");
         record(vec![weights], move |t| {
             let mut t = t.into_iter();
             B::embedding(t.next().expect("input"), indices.clone())
@@ -33,6 +35,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("embedding_backward");
         custom::embedding_backward::<B>(weights, output_grad, indices)
     }
     fn linear(
@@ -40,25 +43,26 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
+        op_name("linear");
         custom::linear::<B>(x, weight, bias)
     }
     fn linear_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("linear_x_backward");
         custom::linear_x_backward::<B>(weight, output_grad)
     }
     fn linear_weight_backward(
         x: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("linear_weight_backward");
         custom::linear_weight_backward::<B>(x, output_grad)
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        record(vec![output_grad], move |t| {
-            let mut t = t.into_iter();
-            B::linear_bias_backward(t.next().expect("input"))
-        })
+        op_name("linear_bias_backward");
+        custom::linear_bias_backward::<B>(output_grad)
     }
     fn conv1d(
         x: FloatTensor<Self>,
@@ -66,6 +70,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        op_name("conv1d");
         let has_bias = bias.is_some();
         let mut inputs = Vec::new();
         inputs.push(x);
@@ -87,6 +92,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        op_name("conv1d_x_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv1d_x_backward(
@@ -103,6 +109,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        op_name("conv1d_weight_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv1d_weight_backward(
@@ -118,6 +125,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("conv1d_bias_backward");
         record(vec![x, bias, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv1d_bias_backward(
@@ -133,6 +141,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        op_name("conv2d");
         let has_bias = bias.is_some();
         let mut inputs = Vec::new();
         inputs.push(x);
@@ -154,6 +163,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        op_name("conv2d_x_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv2d_x_backward(
@@ -170,6 +180,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        op_name("conv2d_weight_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv2d_weight_backward(
@@ -185,6 +196,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("conv2d_bias_backward");
         record(vec![x, bias, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv2d_bias_backward(
@@ -202,6 +214,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: Option<FloatTensor<Self>>,
         options: DeformConvOptions<2>,
     ) -> FloatTensor<Self> {
+        op_name("deform_conv2d");
         let has_mask = mask.is_some();
         let has_bias = bias.is_some();
         let mut inputs = Vec::new();
@@ -231,6 +244,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: DeformConvOptions<2>,
     ) -> DeformConv2dBackward<Self> {
+        op_name("deform_conv2d_backward");
         custom::deform_conv2d_backward::<B>(x, offset, weight, mask, bias, output_grad, options)
     }
     fn conv3d(
@@ -239,6 +253,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        op_name("conv3d");
         let has_bias = bias.is_some();
         let mut inputs = Vec::new();
         inputs.push(x);
@@ -260,6 +275,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        op_name("conv3d_x_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv3d_x_backward(
@@ -276,6 +292,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        op_name("conv3d_weight_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv3d_weight_backward(
@@ -291,6 +308,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("conv3d_bias_backward");
         record(vec![x, bias, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv3d_bias_backward(
@@ -306,6 +324,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose1d");
         let has_bias = bias.is_some();
         let mut inputs = Vec::new();
         inputs.push(x);
@@ -326,6 +345,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose1d_x_backward");
         record(vec![weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose1d_x_backward(
@@ -341,6 +361,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose1d_weight_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose1d_weight_backward(
@@ -356,6 +377,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose1d_bias_backward");
         record(vec![x, bias, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose1d_bias_backward(
@@ -371,6 +393,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose2d");
         let has_bias = bias.is_some();
         let mut inputs = Vec::new();
         inputs.push(x);
@@ -391,6 +414,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose2d_x_backward");
         record(vec![weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose2d_x_backward(
@@ -406,6 +430,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose2d_weight_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose2d_weight_backward(
@@ -421,6 +446,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose2d_bias_backward");
         record(vec![x, bias, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose2d_bias_backward(
@@ -436,6 +462,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose3d");
         let has_bias = bias.is_some();
         let mut inputs = Vec::new();
         inputs.push(x);
@@ -456,6 +483,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose3d_x_backward");
         record(vec![weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose3d_x_backward(
@@ -471,6 +499,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose3d_weight_backward");
         record(vec![x, weight, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose3d_weight_backward(
@@ -486,6 +515,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("conv_transpose3d_bias_backward");
         record(vec![x, bias, output_grad], move |t| {
             let mut t = t.into_iter();
             B::conv_transpose3d_bias_backward(
@@ -500,6 +530,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         kernel_size: [usize; 2],
         options: UnfoldOptions,
     ) -> FloatTensor<Self> {
+        op_name("unfold4d");
         record(vec![x], move |t| {
             let mut t = t.into_iter();
             B::unfold4d(
@@ -517,6 +548,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        op_name("avg_pool1d");
         record(vec![x], move |t| {
             let mut t = t.into_iter();
             B::avg_pool1d(
@@ -538,6 +570,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        op_name("avg_pool1d_backward");
         record(vec![x, grad], move |t| {
             let mut t = t.into_iter();
             B::avg_pool1d_backward(
@@ -559,6 +592,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        op_name("avg_pool2d");
         record(vec![x], move |t| {
             let mut t = t.into_iter();
             B::avg_pool2d(
@@ -580,6 +614,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        op_name("avg_pool2d_backward");
         record(vec![x, grad], move |t| {
             let mut t = t.into_iter();
             B::avg_pool2d_backward(
@@ -594,6 +629,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         })
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
+        op_name("adaptive_avg_pool2d");
         record(vec![x], move |t| {
             let mut t = t.into_iter();
             B::adaptive_avg_pool2d(t.next().expect("input"), output_size.clone())
@@ -603,12 +639,14 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("adaptive_avg_pool2d_backward");
         record(vec![x, grad], move |t| {
             let mut t = t.into_iter();
             B::adaptive_avg_pool2d_backward(t.next().expect("input"), t.next().expect("input"))
         })
     }
     fn adaptive_avg_pool1d(x: FloatTensor<Self>, output_size: usize) -> FloatTensor<Self> {
+        op_name("adaptive_avg_pool1d");
         record(vec![x], move |t| {
             let mut t = t.into_iter();
             B::adaptive_avg_pool1d(t.next().expect("input"), output_size.clone())
@@ -618,6 +656,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        op_name("adaptive_avg_pool1d_backward");
         record(vec![x, grad], move |t| {
             let mut t = t.into_iter();
             B::adaptive_avg_pool1d_backward(t.next().expect("input"), t.next().expect("input"))
@@ -631,6 +670,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        op_name("max_pool1d");
         record(vec![x], move |t| {
             let mut t = t.into_iter();
             B::max_pool1d(
@@ -651,6 +691,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
+        op_name("max_pool1d_with_indices");
         custom::max_pool1d_with_indices::<B>(x, kernel_size, stride, padding, dilation, ceil_mode)
     }
     fn max_pool1d_with_indices_backward(
@@ -663,6 +704,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool1dBackward<Self> {
+        op_name("max_pool1d_with_indices_backward");
         custom::max_pool1d_with_indices_backward::<B>(
             x,
             kernel_size,
@@ -682,6 +724,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        op_name("max_pool2d");
         record(vec![x], move |t| {
             let mut t = t.into_iter();
             B::max_pool2d(
@@ -702,6 +745,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
+        op_name("max_pool2d_with_indices");
         custom::max_pool2d_with_indices::<B>(x, kernel_size, stride, padding, dilation, ceil_mode)
     }
     fn max_pool2d_with_indices_backward(
@@ -714,6 +758,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool2dBackward<Self> {
+        op_name("max_pool2d_with_indices_backward");
         custom::max_pool2d_with_indices_backward::<B>(
             x,
             kernel_size,
@@ -730,6 +775,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
+        op_name("interpolate");
         record(vec![x], move |t| {
             let mut t = t.into_iter();
             B::interpolate(
@@ -745,6 +791,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
+        op_name("interpolate_backward");
         record(vec![x, grad], move |t| {
             let mut t = t.into_iter();
             B::interpolate_backward(
@@ -763,6 +810,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
     ) -> FloatTensor<Self> {
+        op_name("attention");
         let has_attn_bias = attn_bias.is_some();
         let mut inputs = Vec::new();
         inputs.push(query);
@@ -787,6 +835,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
+        op_name("layer_norm");
         let has_beta = beta.is_some();
         let mut inputs = Vec::new();
         inputs.push(tensor);
@@ -809,6 +858,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         target_lengths: IntTensor<Self>,
         blank: usize,
     ) -> FloatTensor<Self> {
+        op_name("ctc_loss");
         record(vec![log_probs], move |t| {
             let mut t = t.into_iter();
             B::ctc_loss(
@@ -831,6 +881,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         grad_loss: FloatTensor<Self>,
         blank: usize,
     ) -> FloatTensor<Self> {
+        op_name("ctc_loss_backward");
         record(vec![log_probs, grad_loss], move |t| {
             let mut t = t.into_iter();
             B::ctc_loss_backward(
@@ -848,6 +899,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         dim: usize,
         n: Option<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        op_name("rfft");
         {
             let (a, b) = B::rfft(local(signal), dim, n);
             (ShardTensor::Local(a), ShardTensor::Local(b))
@@ -859,6 +911,7 @@ impl<B: Backend> ModuleOps<Self> for Shard<B> {
         dim: usize,
         n: Option<usize>,
     ) -> FloatTensor<Self> {
+        op_name("irfft");
         record(vec![spectrum_re, spectrum_im], move |t| {
             let mut t = t.into_iter();
             B::irfft(

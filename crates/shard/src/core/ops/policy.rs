@@ -5,7 +5,7 @@ use crate::core::backend::Shard;
 use crate::core::dtype::{Precision, lowered, promote, promote2};
 use crate::core::host::slice_local;
 use crate::core::scope;
-use crate::core::tensor::{Elementwise, Prim, ShardTensor, ViewOp};
+use crate::core::tensor::{Binary, Elementwise, Prim, ShardTensor, ViewOp};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorMetadata, TensorPrimitive};
 use burn_std::FloatDType;
@@ -86,6 +86,24 @@ pub(crate) fn binary<B: Backend>(
         let (a, b) = promote2::<B>(a, b);
         f(a, b)
     };
+    // A deferred operand may compute the op without being formed (a tensor-parallel part).
+    let (a, b) = match (a, b) {
+        (ShardTensor::Deferred(d), b) => {
+            let f: Binary<B> = Arc::new(f);
+            match d.clone().binary(b, true, &f) {
+                Ok(t) => return t,
+                Err(b) => return binary_whole(ShardTensor::Deferred(d), b, f),
+            }
+        }
+        (a, ShardTensor::Deferred(d)) => {
+            let f: Binary<B> = Arc::new(f);
+            match d.clone().binary(a, false, &f) {
+                Ok(t) => return t,
+                Err(a) => return binary_whole(a, ShardTensor::Deferred(d), f),
+            }
+        }
+        ab => ab,
+    };
     match (a, b) {
         (ShardTensor::Sharded(a), ShardTensor::Sharded(b)) if a.same_layout(&b) => {
             ShardTensor::Sharded(a.map(|a| f(a, b.shard)))
@@ -103,6 +121,48 @@ pub(crate) fn binary<B: Backend>(
             f(t.pop().expect("two inputs"), b)
         }),
     }
+}
+
+fn binary_whole<B: Backend>(a: ShardTensor<B>, b: ShardTensor<B>, f: Binary<B>) -> ShardTensor<B> {
+    record(vec![a, b], move |mut t| {
+        let b = t.pop().expect("two inputs");
+        f(t.pop().expect("two inputs"), b)
+    })
+}
+
+/// An op along dimension `dim` only (a reduction keeping the dimension, a cumulative op): a
+/// deferred value may apply it without being formed; otherwise run whole.
+pub(crate) fn along<B: Backend>(
+    t: ShardTensor<B>,
+    dim: usize,
+    f: impl Fn(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive + Send + Sync + 'static,
+) -> ShardTensor<B> {
+    match t {
+        ShardTensor::Deferred(d) => {
+            let f: Elementwise<B> = Arc::new(f);
+            match d.along(dim, &f) {
+                Some(t) => t,
+                None => record(vec![ShardTensor::Deferred(d)], move |mut t| f(t.remove(0))),
+            }
+        }
+        t => record(vec![t], move |mut t| f(t.remove(0))),
+    }
+}
+
+thread_local! {
+    static OP: std::cell::Cell<&'static str> = const { std::cell::Cell::new("") };
+}
+
+/// Notes the Burn op the decorator is running (the generated forwarding calls it first), so
+/// that a deferred value formed for an op without a rule can be reported by the op's name.
+#[inline]
+pub(crate) fn op_name(name: &'static str) {
+    OP.with(|o| o.set(name));
+}
+
+/// The Burn op the decorator is running on this thread (see [`op_name`]).
+pub fn current_op() -> &'static str {
+    OP.with(|o| o.get())
 }
 
 /// How an op's cost grows, for a recorder's eviction policy.

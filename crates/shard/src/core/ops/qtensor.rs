@@ -10,7 +10,8 @@
 
 use super::custom;
 use super::policy::{
-    binary, local, local_primitive, local_wrap_primitive, record, record_compute, unary,
+    along, binary, local, local_primitive, local_wrap_primitive, op_name, record, record_compute,
+    unary,
 };
 use crate::core::backend::Shard;
 use crate::core::tensor::ShardTensor;
@@ -30,9 +31,11 @@ impl<B: Backend> QTensorOps<Self> for Shard<B> {
         scheme: &QuantScheme,
         qparams: QuantizationParametersPrimitive<Self>,
     ) -> QuantizedTensor<Self> {
+        op_name("quantize");
         custom::quantize::<B>(tensor, scheme, qparams)
     }
     fn quantize_dynamic(tensor: FloatTensor<Self>, scheme: &QuantScheme) -> QuantizedTensor<Self> {
+        op_name("quantize_dynamic");
         B::quantize_dynamic(local(tensor), scheme)
     }
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
@@ -141,6 +144,7 @@ impl<B: Backend> QTensorOps<Self> for Shard<B> {
         local_wrap_primitive(B::q_div_scalar(lhs, rhs))
     }
     fn q_matmul(lhs: TensorPrimitive<Self>, rhs: TensorPrimitive<Self>) -> TensorPrimitive<Self> {
+        op_name("q_matmul");
         local_wrap_primitive(B::q_matmul(local_primitive(lhs), local_primitive(rhs)))
     }
     fn q_neg(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {

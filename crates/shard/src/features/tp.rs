@@ -1,0 +1,798 @@
+//! Tensor parallelism: a tensor split along one dimension over the tensor-parallel group
+//! ([`Placed`]), and the rules by which ops keep it split (DTensor's placements, on kiln's
+//! tensors, under a model never written for it).
+//!
+//! A [`Placed`] tensor holds this rank's part of a logical tensor split along `dim`: the
+//! dimension is `blocks` blocks, each cut in `t` equal chunks, and rank `r` holds chunk `r` of
+//! every block (`blocks = 1` is the plain split; GPT-2's fused `c_attn` is three blocks, q, k
+//! and v, so that each rank holds whole heads of each). Replicated tensors are plain `Local`
+//! tensors. A partial sum never escapes an op: the ops that make one (a row-parallel `linear`,
+//! a column-parallel `linear`'s input gradient, a matmul contracting the split dimension)
+//! all-reduce it at once, which is where Megatron's `g` (forward) and `f` (backward) put their
+//! all-reduces — 2 forward and 2 backward per transformer block.
+//!
+//! Rules: elementwise ops and ops along another dimension run on the part; binary ops with a
+//! replicated operand slice it to the part (no communication; a dimension of size 1
+//! broadcasts); layout ops follow the split (a reshape that keeps it whole per chunk, a
+//! permutation, a slice of whole blocks); `matmul` keeps a batch split or a row/column split,
+//! and contracts a split inner dimension with one all-reduce; `linear` and its gradients follow
+//! Megatron's column and row split. An op without a rule forms the whole tensor (an all-gather):
+//! always correct, counted per op name in [`stats`], so a missing rule is visible.
+
+use crate::core::dtype::promote2;
+use crate::core::host::{Host, collective_failed, read, write};
+use crate::core::ops::custom::{linear_prims, weight_grad_prims};
+use crate::core::ops::policy::current_op;
+use crate::core::scope::{self, MemKind, waiting, with_kind};
+use crate::core::tensor::{
+    Binary, Deferred, Elementwise, LinearArgs, Prim, ShardTensor, ViewOp, same_group,
+};
+use burn_backend::{Backend, DType, TensorMetadata};
+use burn_std::{Shape, Slice};
+use kiln_comm::{ProcessGroup, ReduceOp};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+/// How a tensor is split over the tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    /// The dimension split.
+    pub dim: usize,
+    /// Blocks of the dimension, each cut in one chunk per rank (1: a plain split).
+    pub blocks: usize,
+}
+
+/// This rank's part of a tensor split over the tensor-parallel group.
+#[derive(Debug, Clone)]
+pub struct Placed<B: Backend> {
+    local: Prim<B>,
+    shape: Shape,
+    split: Split,
+    group: Arc<dyn ProcessGroup>,
+}
+
+/// Tensor-parallel communication of this thread (the rank computing) since the last
+/// [`reset_stats`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TpStats {
+    /// All-reduces of partial sums (row-parallel outputs, column-parallel input gradients,
+    /// contractions of a split dimension).
+    pub all_reduces: usize,
+    /// Bytes this rank contributed to them.
+    pub all_reduce_bytes: usize,
+    /// Split tensors formed whole (all-gathered) by ops without a rule, by op name.
+    pub gathers: BTreeMap<&'static str, usize>,
+    /// Bytes this rank received for them.
+    pub gather_bytes: usize,
+}
+
+impl TpStats {
+    /// Split tensors formed whole, all ops together.
+    pub fn total_gathers(&self) -> usize {
+        self.gathers.values().sum()
+    }
+}
+
+thread_local! {
+    static STATS: RefCell<TpStats> = RefCell::new(TpStats::default());
+}
+
+/// This thread's tensor-parallel communication since the last [`reset_stats`].
+pub fn stats() -> TpStats {
+    STATS.with(|s| s.borrow().clone())
+}
+
+/// Starts counting anew.
+pub fn reset_stats() {
+    STATS.with(|s| *s.borrow_mut() = TpStats::default());
+}
+
+/// The part of `size` rank `rank` of `t` holds in each block: `None` unless it divides.
+pub fn chunk(size: usize, split: Split, t: usize) -> Option<usize> {
+    (split.blocks > 0 && t > 0 && size.is_multiple_of(split.blocks * t) && size > 0)
+        .then(|| size / (split.blocks * t))
+}
+
+impl<B: Backend> Placed<B> {
+    /// A split tensor from this rank's part.
+    pub fn from_part(local: Prim<B>, split: Split, group: Arc<dyn ProcessGroup>) -> Self {
+        let mut dims = local.shape().as_slice().to_vec();
+        dims[split.dim] *= group.world_size();
+        Placed {
+            local,
+            shape: Shape::from(dims),
+            split,
+            group,
+        }
+    }
+
+    /// This rank's part of the whole tensor `whole` (no communication).
+    ///
+    /// # Panics
+    /// If the dimension does not divide into `blocks x t` chunks (plans check this first).
+    pub fn from_whole(whole: Prim<B>, split: Split, group: Arc<dyn ProcessGroup>) -> Self {
+        let local = part::<B>(whole, split, group.as_ref());
+        Self::from_part(local, split, group)
+    }
+
+    /// How it is split.
+    pub fn split(&self) -> Split {
+        self.split
+    }
+
+    /// This rank's part.
+    pub fn part(&self) -> Prim<B> {
+        self.local.clone()
+    }
+
+    fn wrap(&self, local: Prim<B>, split: Split) -> ShardTensor<B> {
+        ShardTensor::Deferred(Arc::new(Placed::from_part(
+            local,
+            split,
+            self.group.clone(),
+        )))
+    }
+
+    fn same(&self, local: Prim<B>) -> ShardTensor<B> {
+        self.wrap(local, self.split)
+    }
+
+    /// The part of `other` matching this tensor's split, when `other` is a replicated tensor
+    /// of the same rank broadcasting against this one (size 1 along the split dimension: used
+    /// whole) or a part of a tensor split the same way.
+    fn matching(&self, other: ShardTensor<B>) -> Result<Prim<B>, ShardTensor<B>> {
+        let d = self.split.dim;
+        match other {
+            ShardTensor::Local(o) => {
+                let os = o.shape();
+                if os.num_dims() != self.shape.num_dims() {
+                    return Err(ShardTensor::Local(o));
+                }
+                if os[d] == 1 {
+                    Ok(o)
+                } else if os[d] == self.shape[d] {
+                    Ok(part::<B>(o, self.split, self.group.as_ref()))
+                } else {
+                    Err(ShardTensor::Local(o))
+                }
+            }
+            other => match other.deferred::<Placed<B>>() {
+                Some(p)
+                    if p.split == self.split
+                        && same_group(&p.group, &self.group)
+                        && p.shape.num_dims() == self.shape.num_dims()
+                        && p.shape[d] == self.shape[d] =>
+                {
+                    Ok(p.local.clone())
+                }
+                _ => Err(other),
+            },
+        }
+    }
+
+    /// The sum over the group of this rank's partial `t`: one all-reduce.
+    fn reduce(&self, t: Prim<B>) -> Prim<B> {
+        all_reduce::<B>(t, self.group.as_ref())
+    }
+}
+
+/// Rank `group.rank()`'s part of the whole `t`.
+fn part<B: Backend>(t: Prim<B>, split: Split, group: &dyn ProcessGroup) -> Prim<B> {
+    let (n, rank) = (group.world_size(), group.rank());
+    let dims = t.shape().as_slice().to_vec();
+    let d = split.dim;
+    let c = chunk(dims[d], split, n).unwrap_or_else(|| {
+        panic!(
+            "kiln: tensor parallelism: dimension {d} of a tensor of shape {dims:?} does not split \
+             into {} block(s) x {n} ranks",
+            split.blocks
+        )
+    });
+    if split.blocks == 1 {
+        let mut s: Vec<Slice> = dims.iter().map(|&m| Slice::from(0..m)).collect();
+        s[d] = Slice::from(rank * c..(rank + 1) * c);
+        return B::float_slice(t, &s);
+    }
+    // [.., k * n * c, ..] -> [.., k, n, c, ..], take rank along n, back to [.., k * c, ..].
+    let mut split_dims = dims[..d].to_vec();
+    split_dims.extend([split.blocks, n, c]);
+    split_dims.extend(&dims[d + 1..]);
+    let t = B::float_reshape(t, Shape::from(split_dims.clone()));
+    let mut s: Vec<Slice> = split_dims.iter().map(|&m| Slice::from(0..m)).collect();
+    s[d + 1] = Slice::from(rank..rank + 1);
+    let t = B::float_slice(t, &s);
+    let mut out = dims.clone();
+    out[d] = split.blocks * c;
+    B::float_reshape(t, Shape::from(out))
+}
+
+/// The whole tensor from every rank's part: one all-gather.
+fn gather<B: Backend>(p: &Placed<B>) -> Prim<B> {
+    let group = p.group.as_ref();
+    let n = group.world_size();
+    let dims = p.local.shape().as_slice().to_vec();
+    let d = p.split.dim;
+    let (k, c) = (p.split.blocks, dims[d] / p.split.blocks);
+    let rest: Vec<usize> = (0..dims.len()).filter(|&i| i != d).collect();
+    // The split dimension first, as [k, c, rest..], contiguous, so each rank's part is one run.
+    let mut axes = vec![d];
+    axes.extend(&rest);
+    let front = B::float_permute(p.local.clone(), &axes);
+    let rest_dims: Vec<usize> = rest.iter().map(|&i| dims[i]).collect();
+    let numel = p.local.shape().num_elements();
+    let device = B::float_device(&p.local);
+    let dtype = p.local.dtype();
+    let host = with_kind(MemKind::Comm, || {
+        Host::from_data(read::<B>(B::float_reshape(front, Shape::from(vec![numel]))))
+    });
+    let mut full = with_kind(MemKind::Comm, || host.zeros(numel * n));
+    waiting(|| group.all_gather(host.buf(), full.buf_mut()))
+        .unwrap_or_else(|e| collective_failed("all-gather", &p.shape, group, e));
+    STATS.with(|s| {
+        let mut s = s.borrow_mut();
+        *s.gathers.entry(current_op()).or_default() += 1;
+        s.gather_bytes += numel * (n - 1) * dtype.size();
+    });
+    // [n, k, c, rest..] -> [k, n, c, rest..] -> [k n c, rest..] -> the original order.
+    let mut gathered = vec![n, k, c];
+    gathered.extend(&rest_dims);
+    let whole = write::<B>(full.into_data(Shape::from(gathered)), &device, dtype);
+    let whole = B::float_swap_dims(whole, 0, 1);
+    let mut merged = vec![n * k * c];
+    merged.extend(&rest_dims);
+    let whole = B::float_reshape(whole, Shape::from(merged));
+    // Back: the split dimension from the front to `d`.
+    let mut back: Vec<usize> = (1..dims.len()).collect();
+    back.insert(d, 0);
+    B::float_permute(whole, &back)
+}
+
+/// The sum of every rank's `t` over `group`.
+fn all_reduce<B: Backend>(t: Prim<B>, group: &dyn ProcessGroup) -> Prim<B> {
+    let shape = t.shape();
+    let device = B::float_device(&t);
+    let dtype = t.dtype();
+    let mut host = with_kind(MemKind::Comm, || Host::from_data(read::<B>(t)));
+    waiting(|| group.all_reduce(host.buf_mut(), ReduceOp::Sum))
+        .unwrap_or_else(|e| collective_failed("all-reduce", &shape, group, e));
+    STATS.with(|s| {
+        let mut s = s.borrow_mut();
+        s.all_reduces += 1;
+        s.all_reduce_bytes += shape.num_elements() * dtype.size();
+    });
+    write::<B>(host.into_data(shape), &device, dtype)
+}
+
+/// The split a reshape of `old` into `new` gives a tensor split by `split` over `n` ranks, if
+/// every rank's chunk stays a run of whole indices of one new dimension.
+fn reshaped(old: &[usize], new: &[usize], split: Split, n: usize) -> Option<Split> {
+    let d = split.dim;
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < new.len() {
+        let (i0, j0) = (i, j);
+        let (mut pi, mut pj) = (1usize, 1usize);
+        if i < old.len() {
+            pi *= old[i];
+            i += 1;
+        }
+        if j < new.len() {
+            pj *= new[j];
+            j += 1;
+        }
+        while pi != pj {
+            if pi < pj {
+                pi *= *old.get(i)?;
+                i += 1;
+            } else {
+                pj *= *new.get(j)?;
+                j += 1;
+            }
+        }
+        if !(i0..i).contains(&d) {
+            continue;
+        }
+        // Within the group's flattened index space the split is `K` blocks of `n` chunks of `C`
+        // elements (the group's dimensions before the split one multiply the blocks); it lands
+        // on the new dimension `e` whose outer dimensions divide the blocks and whose inner
+        // ones divide a chunk.
+        let blocks = split.blocks * old[i0..d].iter().product::<usize>();
+        let c = chunk(old[d], split, n)? * old[d + 1..i].iter().product::<usize>();
+        return (j0..j).filter(|&e| new[e] != 1).find_map(|e| {
+            let outer: usize = new[j0..e].iter().product();
+            let inner: usize = new[e + 1..j].iter().product();
+            let fits = blocks.is_multiple_of(outer)
+                && c.is_multiple_of(inner)
+                && new[e] == blocks / outer * n * (c / inner);
+            fits.then_some(Split {
+                dim: e,
+                blocks: blocks / outer,
+            })
+        });
+    }
+    None
+}
+
+impl<B: Backend> Placed<B> {
+    fn view(&self, op: &ViewOp) -> Option<ShardTensor<B>> {
+        let d = self.split.dim;
+        let n = self.group.world_size();
+        let dims = self.shape.as_slice();
+        let local_dims = self.local.shape().as_slice().to_vec();
+        match op {
+            ViewOp::SwapDims(a, b) => {
+                let dim = if d == *a {
+                    *b
+                } else if d == *b {
+                    *a
+                } else {
+                    d
+                };
+                let t = B::float_swap_dims(self.local.clone(), *a, *b);
+                Some(self.wrap(t, Split { dim, ..self.split }))
+            }
+            ViewOp::Permute(axes) => {
+                let dim = axes.iter().position(|&a| a == d)?;
+                let t = B::float_permute(self.local.clone(), axes);
+                Some(self.wrap(t, Split { dim, ..self.split }))
+            }
+            ViewOp::Reshape(shape) => {
+                let split = reshaped(dims, shape.as_slice(), self.split, n)?;
+                let mut local = shape.as_slice().to_vec();
+                local[split.dim] /= n;
+                let t = B::float_reshape(self.local.clone(), Shape::from(local));
+                Some(self.wrap(t, split))
+            }
+            ViewOp::Expand(shape) => {
+                let off = shape.num_dims().checked_sub(dims.len())?;
+                if shape[d + off] != dims[d] {
+                    return None;
+                }
+                let mut local = shape.as_slice().to_vec();
+                local[d + off] = local_dims[d];
+                let t = B::float_expand(self.local.clone(), Shape::from(local));
+                Some(self.wrap(
+                    t,
+                    Split {
+                        dim: d + off,
+                        ..self.split
+                    },
+                ))
+            }
+            ViewOp::Slice(slices) => {
+                let mut local: Vec<Slice> = (0..dims.len())
+                    .map(|i| slices.get(i).cloned().unwrap_or(Slice::from(0..dims[i])))
+                    .collect();
+                let s = &local[d];
+                let range = s.to_range(dims[d]);
+                let mut split = self.split;
+                if s.step() != 1 {
+                    return None;
+                }
+                if range == (0..dims[d]) {
+                    local[d] = Slice::from(0..local_dims[d]);
+                } else {
+                    // Whole blocks only.
+                    let block = dims[d] / self.split.blocks;
+                    if !range.start.is_multiple_of(block)
+                        || !range.end.is_multiple_of(block)
+                        || range.is_empty()
+                    {
+                        return None;
+                    }
+                    let c = local_dims[d] / self.split.blocks;
+                    let (b0, b1) = (range.start / block, range.end / block);
+                    local[d] = Slice::from(b0 * c..b1 * c);
+                    split.blocks = b1 - b0;
+                }
+                let t = B::float_slice(self.local.clone(), &local);
+                Some(self.wrap(t, split))
+            }
+        }
+    }
+}
+
+fn policy() -> crate::core::dtype::Precision {
+    scope::precision()
+}
+
+impl<B: Backend> Deferred<B> for Placed<B> {
+    fn shape(&self) -> Shape {
+        self.shape.clone()
+    }
+    fn dtype(&self) -> DType {
+        self.local.dtype()
+    }
+    fn device(&self) -> B::Device {
+        B::float_device(&self.local)
+    }
+    fn value(&self) -> Prim<B> {
+        gather(self)
+    }
+    fn held_bytes(&self) -> usize {
+        self.local.shape().num_elements() * self.local.dtype().size()
+    }
+    fn is_require_grad(&self) -> bool {
+        B::float_is_require_grad(&self.local)
+    }
+    fn elementwise(&self, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
+        Some(self.same(f(self.local.clone())))
+    }
+    fn layout(&self, op: &ViewOp) -> Option<ShardTensor<B>> {
+        self.view(op)
+    }
+    fn along(&self, dim: usize, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
+        (dim != self.split.dim).then(|| self.same(f(self.local.clone())))
+    }
+    fn binary(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        self_lhs: bool,
+        f: &Binary<B>,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        let o = self.matching(other)?;
+        let y = if self_lhs {
+            f(self.local.clone(), o)
+        } else {
+            f(o, self.local.clone())
+        };
+        Ok(self.same(y))
+    }
+    fn matmul(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        self_lhs: bool,
+        f: &Binary<B>,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        let r = self.shape.num_dims();
+        let d = self.split.dim;
+        let run = |a: Prim<B>, b: Prim<B>| if self_lhs { f(a, b) } else { f(b, a) };
+        if d + 2 < r {
+            // A batch dimension: the other operand matches it (or broadcasts).
+            let o = self.matching(other)?;
+            return Ok(self.same(run(self.local.clone(), o)));
+        }
+        let other_placed = other.deferred::<Placed<B>>();
+        let rows = d + 2 == r;
+        match (self_lhs, rows, other) {
+            // lhs split by rows or rhs split by columns, the other operand replicated.
+            (true, true, ShardTensor::Local(o)) | (false, false, ShardTensor::Local(o)) => {
+                Ok(self.same(run(self.local.clone(), o)))
+            }
+            // The contracted dimension split: a partial sum, all-reduced.
+            (true, false, other) | (false, true, other) => {
+                let (od, ob) = if self_lhs { (r - 2, 1) } else { (r - 1, 1) };
+                let o = match (&other, other_placed) {
+                    (_, Some(p))
+                        if p.split.dim == od
+                            && p.split.blocks == ob
+                            && self.split.blocks == 1
+                            && same_group(&p.group, &self.group) =>
+                    {
+                        p.local.clone()
+                    }
+                    (ShardTensor::Local(o), None) if self.split.blocks == 1 => {
+                        part::<B>(o.clone(), Split { dim: od, blocks: 1 }, self.group.as_ref())
+                    }
+                    _ => return Err(other),
+                };
+                Ok(ShardTensor::Local(self.reduce(run(self.local.clone(), o))))
+            }
+            (_, _, other) => Err(other),
+        }
+    }
+    fn linear(self: Arc<Self>, x: ShardTensor<B>, bias: Option<ShardTensor<B>>) -> LinearArgs<B> {
+        if self.shape.num_dims() != 2 {
+            return Err((x, bias));
+        }
+        let last = x.shape().num_dims() - 1;
+        if self.split.dim == 1 {
+            // Column parallel: x replicated, the output split along its last dimension.
+            let ShardTensor::Local(xl) = x else {
+                return Err((x, bias));
+            };
+            let b = match bias {
+                None => None,
+                Some(ShardTensor::Local(b)) => Some(part::<B>(
+                    b,
+                    Split {
+                        dim: 0,
+                        blocks: self.split.blocks,
+                    },
+                    self.group.as_ref(),
+                )),
+                Some(b) => match b.deferred::<Placed<B>>() {
+                    Some(p) if p.split.blocks == self.split.blocks => Some(p.local.clone()),
+                    _ => return Err((ShardTensor::Local(xl), Some(b))),
+                },
+            };
+            let mut inputs = vec![xl, self.local.clone()];
+            inputs.extend(b);
+            let y = linear_prims::<B>(policy(), inputs);
+            return Ok(self.wrap(
+                y,
+                Split {
+                    dim: last,
+                    blocks: self.split.blocks,
+                },
+            ));
+        }
+        // Row parallel: x split along its last dimension (or sliced to this rank's part), a
+        // partial output all-reduced, then the bias.
+        let row = Split {
+            dim: last,
+            blocks: 1,
+        };
+        if self.split.blocks != 1 {
+            return Err((x, bias));
+        }
+        let xl = match x {
+            ShardTensor::Local(x) => part::<B>(x, row, self.group.as_ref()),
+            x => match x.deferred::<Placed<B>>() {
+                Some(p) if p.split == row && same_group(&p.group, &self.group) => p.local.clone(),
+                _ => return Err((x, bias)),
+            },
+        };
+        let b = match bias {
+            None => None,
+            Some(ShardTensor::Local(b)) => Some(b),
+            Some(b) => Some(b.into_whole()),
+        };
+        let y = self.reduce(linear_prims::<B>(policy(), vec![xl, self.local.clone()]));
+        Ok(ShardTensor::Local(match b {
+            Some(b) => {
+                let (y, b) = promote2::<B>(y, b);
+                B::float_add(y, b)
+            }
+            None => y,
+        }))
+    }
+    fn linear_x_backward(
+        self: Arc<Self>,
+        dy: ShardTensor<B>,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        if self.shape.num_dims() != 2 {
+            return Err(dy);
+        }
+        let last = dy.shape().num_dims() - 1;
+        let out = Split {
+            dim: last,
+            blocks: self.split.blocks,
+        };
+        if self.split.dim == 1 {
+            // Column parallel: dx = dy_part w_partᵀ, a partial sum (Megatron's `f` backward).
+            let dl = match dy {
+                ShardTensor::Local(dy) => part::<B>(dy, out, self.group.as_ref()),
+                dy => match dy.deferred::<Placed<B>>() {
+                    Some(p) if p.split == out && same_group(&p.group, &self.group) => {
+                        p.local.clone()
+                    }
+                    _ => return Err(dy),
+                },
+            };
+            let (w, dl) = promote2::<B>(self.local.clone(), dl);
+            return Ok(Partial::wrap(
+                B::linear_x_backward(w, dl),
+                self.group.clone(),
+            ));
+        }
+        // Row parallel: dy replicated, dx split like x.
+        let ShardTensor::Local(dl) = dy else {
+            return Err(dy);
+        };
+        let (w, dl) = promote2::<B>(self.local.clone(), dl);
+        Ok(self.wrap(
+            B::linear_x_backward(w, dl),
+            Split {
+                dim: last,
+                blocks: 1,
+            },
+        ))
+    }
+    fn slice_assign(
+        self: Arc<Self>,
+        target: ShardTensor<B>,
+        slices: &[Slice],
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        // Writing a split part into a tensor (the backward of slicing whole blocks, GPT-2's
+        // q, k, v out of the fused projection): the target is split in blocks of the part's
+        // block size, and the part lands in its own blocks.
+        let d = self.split.dim;
+        let dims = target.shape().as_slice().to_vec();
+        if dims.len() != self.shape.num_dims() {
+            return Err(target);
+        }
+        let mut local: Vec<Slice> = (0..dims.len())
+            .map(|i| slices.get(i).cloned().unwrap_or(Slice::from(0..dims[i])))
+            .collect();
+        let range = local[d].to_range(dims[d]);
+        let kv = self.split.blocks;
+        let n = self.group.world_size();
+        if local[d].step() != 1 || range.is_empty() || !range.len().is_multiple_of(kv) {
+            return Err(target);
+        }
+        let block = range.len() / kv;
+        if !dims[d].is_multiple_of(block) || !range.start.is_multiple_of(block) {
+            return Err(target);
+        }
+        let split = Split {
+            dim: d,
+            blocks: dims[d] / block,
+        };
+        let Some(c) = chunk(dims[d], split, n) else {
+            return Err(target);
+        };
+        let t = match target {
+            ShardTensor::Local(t) => part::<B>(t, split, self.group.as_ref()),
+            target => match target.deferred::<Placed<B>>() {
+                Some(p) if p.split == split && same_group(&p.group, &self.group) => p.local.clone(),
+                _ => return Err(target),
+            },
+        };
+        let b0 = range.start / block;
+        local[d] = Slice::from(b0 * c..(b0 + kv) * c);
+        let (t, v) = promote2::<B>(t, self.local.clone());
+        Ok(self.wrap(B::float_slice_assign(t, &local, v), split))
+    }
+    fn weight_grad(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        self_is_x: bool,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        let last = self.shape.num_dims() - 1;
+        if self.split.dim != last {
+            return Err(other);
+        }
+        let ShardTensor::Local(o) = other else {
+            return Err(other);
+        };
+        if self_is_x {
+            // Row parallel: x split by its last dimension, the gradient by rows of w.
+            let g = weight_grad_prims::<B>(vec![self.local.clone(), o]);
+            Ok(self.wrap(
+                g,
+                Split {
+                    dim: 0,
+                    ..self.split
+                },
+            ))
+        } else {
+            // Column parallel: dy split by its last dimension, the gradient by columns of w.
+            let g = weight_grad_prims::<B>(vec![o, self.local.clone()]);
+            Ok(self.wrap(
+                g,
+                Split {
+                    dim: 1,
+                    ..self.split
+                },
+            ))
+        }
+    }
+    fn bias_grad(&self) -> Option<ShardTensor<B>> {
+        let last = self.shape.num_dims() - 1;
+        (self.split.dim == last).then(|| {
+            let g = B::linear_bias_backward(self.local.clone());
+            self.wrap(
+                g,
+                Split {
+                    dim: 0,
+                    ..self.split
+                },
+            )
+        })
+    }
+}
+
+/// A pending sum over the tensor-parallel group: this rank's term. Made by a column-parallel
+/// `linear`'s input gradient, so that the gradients of layers reading one input (q, k and v)
+/// are summed locally by autodiff and all-reduced once, when first read (Megatron's `f`).
+#[derive(Debug)]
+pub struct Partial<B: Backend> {
+    local: Prim<B>,
+    group: Arc<dyn ProcessGroup>,
+    sum: OnceLock<Prim<B>>,
+}
+
+impl<B: Backend> Partial<B> {
+    /// The pending sum of every rank's `local`.
+    pub fn wrap(local: Prim<B>, group: Arc<dyn ProcessGroup>) -> ShardTensor<B> {
+        ShardTensor::Deferred(Arc::new(Partial {
+            local,
+            group,
+            sum: OnceLock::new(),
+        }))
+    }
+}
+
+impl<B: Backend> Deferred<B> for Partial<B> {
+    fn shape(&self) -> Shape {
+        self.local.shape()
+    }
+    fn dtype(&self) -> DType {
+        self.local.dtype()
+    }
+    fn device(&self) -> B::Device {
+        B::float_device(&self.local)
+    }
+    fn value(&self) -> Prim<B> {
+        // Summed once, however many ops read it (every rank reads it in the same order). Layout
+        // ops read it too: a view of a pending sum would be summed again where it is read.
+        self.sum
+            .get_or_init(|| all_reduce::<B>(self.local.clone(), self.group.as_ref()))
+            .clone()
+    }
+    fn held_bytes(&self) -> usize {
+        self.local.shape().num_elements() * self.local.dtype().size()
+    }
+    fn binary(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        self_lhs: bool,
+        f: &Binary<B>,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        // A sum or difference of pending sums, or of one and a replicated tensor, is one
+        // (autodiff accumulating the gradients of an input read by several layers, and by the
+        // residual connection).
+        if !matches!(current_op(), "float_add" | "float_sub") || self.sum.get().is_some() {
+            return Err(other);
+        }
+        let o = match other {
+            // A replicated term joins the sum once: rank 0 adds it, the others add zeros.
+            ShardTensor::Local(o) if self.group.rank() == 0 => o,
+            ShardTensor::Local(o) => {
+                let zeros = B::float_zeros(o.shape(), &B::float_device(&o), o.dtype().into());
+                drop(o);
+                zeros
+            }
+            other => match other.deferred::<Partial<B>>() {
+                Some(o) if o.sum.get().is_none() && same_group(&o.group, &self.group) => {
+                    o.local.clone()
+                }
+                _ => return Err(other),
+            },
+        };
+        let a = self.local.clone();
+        let y = if self_lhs { f(a, o) } else { f(o, a) };
+        Ok(Partial::wrap(y, self.group.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reshapes_keep_whole_chunks() {
+        let s = |dim, blocks| Split { dim, blocks };
+        // [B, T, 3d] -> [B, T, 3h, hd] with q, k, v as three blocks (d = 8, h = 4).
+        assert_eq!(
+            reshaped(&[2, 3, 24], &[2, 3, 12, 2], s(2, 3), 2),
+            Some(s(2, 3))
+        );
+        // Heads merged back: [B, T, h, hd] -> [B, T, d].
+        assert_eq!(
+            reshaped(&[2, 3, 4, 2], &[2, 3, 8], s(2, 1), 2),
+            Some(s(2, 1))
+        );
+        // A head split across ranks cannot be expressed: 4 heads over 8 ranks.
+        assert_eq!(reshaped(&[2, 3, 8], &[2, 3, 4, 2], s(2, 1), 8), None);
+        // The batch merged with the sequence: the split (last) dimension untouched.
+        assert_eq!(reshaped(&[2, 3, 8], &[6, 8], s(2, 1), 2), Some(s(1, 1)));
+        // The split dimension merged as the inner one: the outer one counts blocks.
+        assert_eq!(reshaped(&[2, 8], &[16], s(1, 1), 2), Some(s(0, 2)));
+        // Heads merged with the batch and split out again (the attention mask's add).
+        assert_eq!(
+            reshaped(&[3, 4, 5, 5], &[12, 25], s(1, 1), 2),
+            Some(s(0, 3))
+        );
+        assert_eq!(
+            reshaped(&[12, 25], &[3, 4, 5, 5], s(0, 3), 2),
+            Some(s(1, 1))
+        );
+        // A chunk that is not a run of whole indices of any new dimension.
+        assert_eq!(reshaped(&[8], &[2, 4], s(0, 1), 4), None);
+        assert_eq!(reshaped(&[6], &[2, 3], s(0, 1), 2), Some(s(0, 1)));
+        // Size-1 dimensions around it.
+        assert_eq!(reshaped(&[1, 8, 1], &[8], s(1, 1), 2), Some(s(0, 1)));
+    }
+}

@@ -1,0 +1,189 @@
+//! Tensor parallelism on a model kiln did not write: burn-nn's transformer encoder under a
+//! Megatron plan by module path trains equal to one device, with Megatron's communication
+//! (2 all-reduces forward and 2 backward per block) and no tensor formed whole.
+
+use burn::backend::Flex;
+use burn::module::Module;
+use burn::nn::transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor};
+use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
+use kiln_shard::check::{Train, params};
+use kiln_shard::tp::{TpStats, reset_stats, stats};
+use kiln_shard::{TpPlan, TpStyle, tensor_parallel};
+use std::sync::{Arc, Mutex};
+
+type B = Train<Flex>;
+
+const SEQ: usize = 4;
+const D_MODEL: usize = 8;
+const HEADS: usize = 4;
+const LAYERS: usize = 2;
+const STEPS: usize = 3;
+
+#[derive(Module, Debug)]
+struct Tiny<B: Backend> {
+    /// Replicated, in front of the first block (whose input gradient it needs).
+    embed: Linear<B>,
+    encoder: TransformerEncoder<B>,
+    head: Linear<B>,
+}
+
+impl Tiny<B> {
+    fn loss(&self, x: Tensor<B, 3>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let [batch, _, _] = x.dims();
+        let h = self
+            .encoder
+            .forward(TransformerEncoderInput::new(self.embed.forward(x)));
+        let out = self.head.forward(h.mean_dim(1).reshape([batch, D_MODEL]));
+        (out - y).powf_scalar(2.0).mean()
+    }
+}
+
+fn tiny() -> Tiny<B> {
+    let device = Default::default();
+    B::seed(&device, 7);
+    let model = Tiny {
+        embed: LinearConfig::new(D_MODEL, D_MODEL).init(&device),
+        encoder: TransformerEncoderConfig::new(D_MODEL, 16, HEADS, LAYERS)
+            .with_dropout(0.0)
+            .init(&device),
+        head: LinearConfig::new(D_MODEL, 3).init(&device),
+    };
+    params::<Flex, _>(&model);
+    model
+}
+
+fn megatron() -> TpPlan {
+    let col = TpStyle::Colwise { blocks: 1 };
+    TpPlan::from_pairs(&[
+        ("query", col),
+        ("key", col),
+        ("value", col),
+        ("output", TpStyle::Rowwise),
+        ("linear_inner", col),
+        ("linear_outer", TpStyle::Rowwise),
+    ])
+}
+
+struct Run {
+    losses: Vec<f32>,
+    params: Vec<Vec<f32>>,
+    forward: TpStats,
+    backward: TpStats,
+}
+
+fn train(model: Tiny<B>, group: Option<Arc<dyn ProcessGroup>>) -> Run {
+    let device = Default::default();
+    let model = match group {
+        Some(g) => tensor_parallel(model, &megatron(), g).unwrap().0,
+        None => model,
+    };
+    B::seed(&device, 11);
+    let x = Tensor::<B, 3>::random([6, SEQ, D_MODEL], Distribution::Default, &device);
+    let y = Tensor::<B, 2>::random([6, 3], Distribution::Default, &device);
+    let mut optim = AdamWConfig::new().init();
+    let mut model = model;
+    let (mut losses, mut forward, mut backward) = (vec![], TpStats::default(), TpStats::default());
+    for step in 0..STEPS {
+        reset_stats();
+        let loss = model.loss(x.clone(), y.clone());
+        if step == 0 {
+            forward = stats();
+        }
+        losses.push(loss.clone().into_scalar());
+        reset_stats();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        if step == 0 {
+            backward = stats();
+        }
+        model = optim.step(1e-2, model, grads);
+    }
+    Run {
+        losses,
+        params: params::<Flex, _>(&model),
+        forward,
+        backward,
+    }
+}
+
+#[test]
+fn burn_nn_transformer_under_a_path_plan_equals_one_device() {
+    let initial = tiny();
+    let reference = train(initial.clone(), None);
+    for tp in [2, 4] {
+        let initial = Mutex::new(initial.clone());
+        let runs = spawn_ranks(tp, |g: LocalGroup| {
+            let model = initial.lock().unwrap().clone();
+            train(model, Some(Arc::new(g)))
+        });
+        for (rank, run) in runs.iter().enumerate() {
+            let mut worst = 0f32;
+            for (a, b) in run.losses.iter().zip(&reference.losses) {
+                worst = worst.max((a - b).abs() / b.abs().max(1e-6));
+            }
+            // Per parameter tensor: the norm of the difference over the reference's norm.
+            for (p, q) in run.params.iter().zip(&reference.params) {
+                let diff: f32 = p.iter().zip(q).map(|(a, b)| (a - b).powi(2)).sum();
+                let norm: f32 = q.iter().map(|b| b * b).sum();
+                worst = worst.max((diff / norm.max(1e-24)).sqrt());
+            }
+            assert!(
+                worst <= 1e-5,
+                "tp {tp} rank {rank}: relative error {worst:e}\nlosses {:?}\nreference {:?}",
+                run.losses,
+                reference.losses
+            );
+            // Megatron's count: one all-reduce after the attention and one after the MLP in
+            // forward, one before each in backward; nothing formed whole.
+            assert_eq!(
+                (run.forward.all_reduces, run.backward.all_reduces),
+                (2 * LAYERS, 2 * LAYERS),
+                "tp {tp} rank {rank}: forward {:?}, backward {:?}",
+                run.forward,
+                run.backward
+            );
+            assert_eq!(
+                run.forward.total_gathers() + run.backward.total_gathers(),
+                0,
+                "tp {tp} rank {rank}: split tensors formed whole: forward {:?}, backward {:?}",
+                run.forward.gathers,
+                run.backward.gathers
+            );
+            if rank == 0 {
+                println!(
+                    "tp {tp}: largest relative error {worst:e}; forward {:?}; backward {:?}",
+                    run.forward, run.backward
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn plans_name_what_is_wrong() {
+    let model = tiny();
+    let g: Arc<dyn ProcessGroup> = Arc::new(LocalGroup::new_world(1, Default::default()).remove(0));
+    let nothing = TpPlan::from_pairs(&[("c_attn", TpStyle::Rowwise)]);
+    let e = tensor_parallel(model.clone(), &nothing, g.clone()).unwrap_err();
+    assert!(
+        e.to_string().contains("\"c_attn\" matches no Linear"),
+        "{e}"
+    );
+    let norm = TpPlan::from_pairs(&[("norm_1", TpStyle::Rowwise)]);
+    let e = tensor_parallel(model.clone(), &norm, g).unwrap_err();
+    assert!(e.to_string().contains("only Linear layers"), "{e}");
+    let groups = LocalGroup::new_world(3, Default::default());
+    let g: Arc<dyn ProcessGroup> = Arc::new(groups.into_iter().next().unwrap());
+    let e = tensor_parallel(model, &megatron(), g).unwrap_err();
+    assert!(
+        e.to_string().contains("not a multiple of 1 block(s) x 3"),
+        "{e}"
+    );
+    assert!(TpPlan::parse("c_attn=colwise/3, c_proj=rowwise").is_ok());
+    assert!(TpPlan::parse("c_attn=diagonal").is_err());
+}

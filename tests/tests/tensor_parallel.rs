@@ -1,0 +1,172 @@
+//! Tensor parallelism of kiln's GPT-2 and Llama under their default plans (Megatron's split),
+//! against one device: the same losses and weights after AdamW steps, Megatron's communication
+//! (2 all-reduces forward and 2 backward per block, of `batch x seq x n_embd` elements each) and
+//! no tensor formed whole.
+
+use burn::module::AutodiffModule;
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Int, Tensor};
+use kiln::shard::check::params;
+use kiln::shard::tp::{TpStats, reset_stats, stats};
+use kiln::shard::{TpPlan, tensor_parallel};
+use kiln::{Flex, Train};
+use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
+use kiln_model::causal_lm_loss;
+use std::sync::{Arc, Mutex};
+
+type B = Train<Flex>;
+
+const VOCAB: usize = 64;
+const SEQ: usize = 8;
+const BATCH: usize = 3;
+const LAYERS: usize = 2;
+const STEPS: usize = 3;
+
+struct Run {
+    losses: Vec<f32>,
+    params: Vec<Vec<f32>>,
+    forward: TpStats,
+    backward: TpStats,
+}
+
+fn train<M: AutodiffModule<B>>(
+    model: M,
+    forward: impl Fn(&M, Tensor<B, 2, Int>) -> Tensor<B, 3>,
+    plan: &TpPlan,
+    group: Option<Arc<dyn ProcessGroup>>,
+) -> Run {
+    let device = Default::default();
+    let mut model = match group {
+        Some(g) => tensor_parallel(model, plan, g).unwrap().0,
+        None => model,
+    };
+    B::seed(&device, 5);
+    let tokens = Tensor::<B, 2, Int>::random(
+        [BATCH, SEQ + 1],
+        Distribution::Uniform(0.0, VOCAB as f64),
+        &device,
+    );
+    let x = tokens.clone().slice([0..BATCH, 0..SEQ]);
+    let y = tokens.slice([0..BATCH, 1..SEQ + 1]);
+    let mut optim = AdamWConfig::new().init();
+    let (mut losses, mut fwd, mut bwd) = (vec![], TpStats::default(), TpStats::default());
+    for step in 0..STEPS {
+        reset_stats();
+        let loss = causal_lm_loss(forward(&model, x.clone()), y.clone());
+        if step == 0 {
+            fwd = stats();
+        }
+        losses.push(loss.clone().into_scalar());
+        reset_stats();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        if step == 0 {
+            bwd = stats();
+        }
+        model = optim.step(1e-2, model, grads);
+    }
+    Run {
+        losses,
+        params: params::<Flex, _>(&model),
+        forward: fwd,
+        backward: bwd,
+    }
+}
+
+fn check<M: AutodiffModule<B> + Clone + Send>(
+    name: &str,
+    initial: M,
+    forward: impl Fn(&M, Tensor<B, 2, Int>) -> Tensor<B, 3> + Sync,
+    plan: TpPlan,
+    n_embd: usize,
+) {
+    let reference = train(initial.clone(), &forward, &plan, None);
+    for tp in [2, 4] {
+        let initial = Mutex::new(initial.clone());
+        let runs = spawn_ranks(tp, |g: LocalGroup| {
+            let model = initial.lock().unwrap().clone();
+            train(model, &forward, &plan, Some(Arc::new(g)))
+        });
+        for (rank, run) in runs.iter().enumerate() {
+            let mut worst = 0f32;
+            for (a, b) in run.losses.iter().zip(&reference.losses) {
+                worst = worst.max((a - b).abs() / b.abs());
+            }
+            for (p, q) in run.params.iter().zip(&reference.params) {
+                let diff: f32 = p.iter().zip(q).map(|(a, b)| (a - b).powi(2)).sum();
+                let norm: f32 = q.iter().map(|b| b * b).sum();
+                worst = worst.max((diff / norm.max(1e-24)).sqrt());
+            }
+            assert!(
+                worst <= 1e-5,
+                "{name} tp {tp} rank {rank}: relative error {worst:e}\nlosses {:?}\nreference {:?}",
+                run.losses,
+                reference.losses
+            );
+            let bytes = 2 * LAYERS * BATCH * SEQ * n_embd * 4;
+            for (pass, s) in [("forward", &run.forward), ("backward", &run.backward)] {
+                assert_eq!(
+                    (s.all_reduces, s.all_reduce_bytes, s.total_gathers()),
+                    (2 * LAYERS, bytes, 0),
+                    "{name} tp {tp} rank {rank} {pass}: {s:?}"
+                );
+            }
+            if rank == 0 {
+                println!(
+                    "{name} tp {tp}: largest relative error {worst:e}; per step {} all-reduces \
+                     forward and {} backward, {} bytes each way, 0 tensors formed whole",
+                    run.forward.all_reduces, run.backward.all_reduces, bytes
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpt2_under_its_default_plan_equals_one_device() {
+    let device = Default::default();
+    B::seed(&device, 3);
+    let model = kiln_gpt2::Gpt2Config::new(VOCAB, SEQ, 32, LAYERS, 4).init::<B>(&device);
+    params::<Flex, _>(&model);
+    check(
+        "GPT-2",
+        model,
+        |m: &kiln_gpt2::Gpt2<B>, x| m.forward(x),
+        TpPlan::gpt2(),
+        32,
+    );
+}
+
+#[test]
+fn llama_under_its_default_plan_equals_one_device() {
+    let device = Default::default();
+    B::seed(&device, 3);
+    // Grouped KV heads: 4 query heads, 4 KV heads at tp 4 (1 each), 2 at tp 2.
+    let config = kiln_llama::LlamaConfig {
+        vocab_size: VOCAB,
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: LAYERS,
+        num_attention_heads: 8,
+        num_key_value_heads: Some(4),
+        head_dim: None,
+        max_position_embeddings: SEQ,
+        rms_norm_eps: 1e-5,
+        rope_theta: Some(10_000.0),
+        rope_parameters: None,
+        rope_scaling: None,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        mlp_bias: false,
+        hidden_act: "silu".into(),
+    };
+    let model = config.init::<B>(&device);
+    params::<Flex, _>(&model);
+    check(
+        "Llama",
+        model,
+        |m: &kiln_llama::Llama<B>, x| m.forward(x),
+        TpPlan::llama(),
+        32,
+    );
+}
