@@ -6,7 +6,7 @@
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor};
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use kiln::shard::check::params;
 use kiln::shard::tp::{TpStats, reset_stats, stats};
 use kiln::shard::{TpPlan, tensor_parallel};
@@ -30,23 +30,32 @@ struct Run {
     backward: TpStats,
 }
 
+/// The batch, drawn once: ranks as threads share the backend's random generator, so draws
+/// inside them would race.
+fn tokens() -> TensorData {
+    let device = Default::default();
+    B::seed(&device, 5);
+    Tensor::<B, 2, Int>::random(
+        [BATCH, SEQ + 1],
+        Distribution::Uniform(0.0, VOCAB as f64),
+        &device,
+    )
+    .into_data()
+}
+
 fn train<M: AutodiffModule<B>>(
     model: M,
     forward: impl Fn(&M, Tensor<B, 2, Int>) -> Tensor<B, 3>,
     plan: &TpPlan,
     group: Option<Arc<dyn ProcessGroup>>,
+    tokens: TensorData,
 ) -> Run {
     let device = Default::default();
     let mut model = match group {
         Some(g) => tensor_parallel(model, plan, g).unwrap().0,
         None => model,
     };
-    B::seed(&device, 5);
-    let tokens = Tensor::<B, 2, Int>::random(
-        [BATCH, SEQ + 1],
-        Distribution::Uniform(0.0, VOCAB as f64),
-        &device,
-    );
+    let tokens = Tensor::<B, 2, Int>::from_data(tokens, &device);
     let x = tokens.clone().slice([0..BATCH, 0..SEQ]);
     let y = tokens.slice([0..BATCH, 1..SEQ + 1]);
     let mut optim = AdamWConfig::new().init();
@@ -80,12 +89,13 @@ fn check<M: AutodiffModule<B> + Clone + Send>(
     plan: TpPlan,
     n_embd: usize,
 ) {
-    let reference = train(initial.clone(), &forward, &plan, None);
+    let reference = train(initial.clone(), &forward, &plan, None, tokens());
     for tp in [2, 4] {
         let initial = Mutex::new(initial.clone());
+        let tokens = tokens();
         let runs = spawn_ranks(tp, |g: LocalGroup| {
             let model = initial.lock().unwrap().clone();
-            train(model, &forward, &plan, Some(Arc::new(g)))
+            train(model, &forward, &plan, Some(Arc::new(g)), tokens.clone())
         });
         for (rank, run) in runs.iter().enumerate() {
             let mut worst = 0f32;

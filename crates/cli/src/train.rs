@@ -29,6 +29,14 @@ pub struct TrainArgs {
     /// strategy applying to each stage's data-parallel ranks.
     #[arg(long)]
     pp: Option<usize>,
+    /// parallel.tp: tensor-parallel ranks (Megatron's column/row split of each block's
+    /// layers; the ranks are pp stages x data-parallel ranks x tp; with the ddp strategy).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// parallel.tp_plan: which layers tensor parallelism splits how, as pattern=style items
+    /// (c_attn=colwise/3,c_fc=colwise,c_proj=rowwise); default: the model's own.
+    #[arg(long)]
+    tp_plan: Option<String>,
     /// parallel.microbatches: micro-batches per step of a pipeline.
     #[arg(long)]
     microbatches: Option<usize>,
@@ -100,6 +108,8 @@ impl TrainArgs {
         put("parallel.ranks", self.ranks.map(|v| v.to_string()));
         put("parallel.strategy", self.strategy.clone().map(quote));
         put("parallel.pp", self.pp.map(|v| v.to_string()));
+        put("parallel.tp", self.tp.map(|v| v.to_string()));
+        put("parallel.tp_plan", self.tp_plan.clone().map(quote));
         put(
             "parallel.microbatches",
             self.microbatches.map(|v| v.to_string()),

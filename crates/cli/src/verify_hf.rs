@@ -23,12 +23,17 @@ pub struct VerifyHfArgs {
     /// Ranks (threads of this process) for a sharding strategy.
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
+    /// Tensor-parallel ranks among them (Megatron's split of the model's layers, the model's
+    /// own plan; with --strategy ddp): ranks = data-parallel ranks x tp.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
 }
 
 /// Prints one line per check and a summary; returns the exit code: 0 when every quantity is within
 /// tolerance, 1 otherwise.
 pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
     let tolerances = Tolerances::default();
+    let mut tp_line = None;
     let report = if args.strategy == "single" {
         if args.ranks != 1 {
             bail!(
@@ -42,25 +47,68 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
         if args.ranks == 0 {
             bail!("--ranks must be at least 1");
         }
+        if args.tp == 0 || !args.ranks.is_multiple_of(args.tp) {
+            bail!(
+                "--tp ({}) must divide --ranks ({}): the ranks are data-parallel ranks x tp",
+                args.tp,
+                args.ranks
+            );
+        }
+        let tp_plan = match args.tp {
+            1 => None,
+            tp => {
+                let config = kiln_zoo::ModelConfig::from_dir(&args.dir)?;
+                if let Err(e) = config.check_tp(tp) {
+                    bail!("--tp {tp}: {e}");
+                }
+                Some(kiln::shard::TpPlan::parse(config.tp_plan())?)
+            }
+        };
         let reports = kiln::shard::threads::spawn_ranks(args.ranks, |g: LocalGroup| {
-            let group: Arc<dyn ProcessGroup> = Arc::new(g);
-            let parallel = Sharding::<Flex>::new(group, strategy)?;
-            kiln_zoo::verify_dir_with::<Backend, _>(
+            let world: Arc<dyn ProcessGroup> = Arc::new(g);
+            let mut plan = kiln::ParallelPlan::new(strategy);
+            plan.tp = args.tp;
+            let mesh = kiln::Mesh::new(world, &plan)
+                .map_err(|e| kiln_hf::HfError::Parallel(e.to_string()))?;
+            let mut parallel = Sharding::<Flex>::new(mesh.dp.clone(), strategy)?;
+            if let (Some(tp), Some(tp_plan)) = (&mesh.tp, &tp_plan) {
+                parallel = parallel.with_tp(tp.clone(), tp_plan.clone())?;
+            }
+            kiln::shard::tp::reset_stats();
+            let report = kiln_zoo::verify_dir_with::<Backend, _>(
                 &args.dir,
                 &tolerances,
                 &Default::default(),
                 &parallel,
-            )
+            );
+            report.map(|r| (r, kiln::shard::tp::stats()))
         })
         .map_err(anyhow::Error::msg)?;
+        let reports = reports.into_iter().collect::<Result<Vec<_>, _>>()?;
+        if args.tp > 1 {
+            let s = &reports[0].1;
+            tp_line = Some(format!(
+                "tensor parallel (rank 0, the whole verification): {} all-reduces of partial \
+                 sums ({} bytes); split tensors formed whole by op: {:?} (reading weights and \
+                 gradients to compare them is float_into_data)",
+                s.all_reduces, s.all_reduce_bytes, s.gathers
+            ));
+        }
         // Every rank computed every quantity; report the worst rank's value of each.
-        merge(reports.into_iter().collect::<Result<Vec<_>, _>>()?)
+        merge(reports.into_iter().map(|(r, _)| r).collect())
     };
+    if let Some(line) = &tp_line {
+        println!("{line}");
+    }
     println!(
-        "{}: {} on {} rank(s)",
+        "{}: {} on {} rank(s){}",
         args.dir.display(),
         args.strategy,
-        args.ranks
+        args.ranks,
+        match args.tp {
+            1 => String::new(),
+            tp => format!(" ({} data-parallel x tp {tp})", args.ranks / tp),
+        }
     );
     let width = report
         .checks

@@ -9,8 +9,11 @@
 //!    adapters are sharded like any parameter);
 //! 2. **pipeline cut** ([`Stages`]): this rank keeps its stage's units; the other stages'
 //!    parameters become placeholders. Before sharding, so a stage shards only what it holds;
-//! 3. **tensor parallelism**: the slot of the next step of kiln (a plan by parameter path; the
-//!    mesh's `tp` axis); `tp` must be 1 until it lands;
+//! 3. **tensor parallelism** ([`TpPlan`]): Megatron's column/row split of the layers a plan
+//!    names by module path, over the mesh's `tp` axis (the fastest: one node). Applied after
+//!    sharding has registered the parameters whole (DDP keeps them whole; the ZeRO strategies
+//!    are refused with `tp > 1` in this version), so that the data-parallel strategy reduces
+//!    each rank's part of a split gradient over the data-parallel group;
 //! 4. **rematerialisation** ([`Remat`]): Burn's op-level checkpointing is autodiff's type
 //!    parameter (`Train<B, BalancedCheckpointing>`, checked here against the plan); kiln's
 //!    budget goes into the step's configuration;
@@ -30,8 +33,8 @@ use kiln_comm::{CommError, DeviceMesh, MeshAxis, MeshShape, ProcessGroup};
 use kiln_model::{CausalLm, Staged, causal_lm_loss};
 use kiln_pipe::{PipeError, Pipeline, PipelineConfig, Split};
 use kiln_shard::{
-    LossScale, Precision, ShardConfig, ShardError, ShardGroups, StepConfig, Strategy, Train,
-    account,
+    LossScale, Precision, ShardConfig, ShardError, ShardGroups, StepConfig, Strategy, TpPlan,
+    TpReport, Train, account, tensor_parallel,
 };
 use std::any::TypeId;
 use std::sync::Arc;
@@ -141,6 +144,10 @@ pub struct ParallelPlan {
     pub loss_scale: Option<LossScale>,
     /// Global gradient-norm clipping.
     pub clip: Option<f64>,
+    /// Tensor-parallel ranks (1: none): the mesh's fastest axis.
+    pub tp: usize,
+    /// Which layers tensor parallelism splits how (with `tp > 1`).
+    pub tp_plan: TpPlan,
 }
 
 impl ParallelPlan {
@@ -154,6 +161,8 @@ impl ParallelPlan {
             precision: Precision::F32,
             loss_scale: None,
             clip: None,
+            tp: 1,
+            tp_plan: TpPlan::default(),
         }
     }
 
@@ -164,13 +173,14 @@ impl ParallelPlan {
     /// Degrees that do not divide the world.
     pub fn mesh_shape(&self, world: usize) -> Result<MeshShape, ParallelError> {
         let pp = self.pipeline.as_ref().map_or(1, |p| p.stages);
-        if pp == 0 || !world.is_multiple_of(pp) {
+        let tp = self.tp;
+        if pp == 0 || tp == 0 || !world.is_multiple_of(pp * tp) {
             return Err(ParallelError::Plan(format!(
-                "pp ({pp}) must divide the world size ({world}): the world is pp stages x \
-                 data-parallel ranks"
+                "pp ({pp}) x tp ({tp}) must divide the world size ({world}): the world is pp \
+                 stages x data-parallel ranks x tp ranks"
             )));
         }
-        let dp = world / pp;
+        let dp = world / pp / tp;
         let dp_shard = match self.shard.strategy {
             Strategy::Hybrid { shard_size } => {
                 if shard_size == 0 || !dp.is_multiple_of(shard_size) {
@@ -187,7 +197,7 @@ impl ParallelPlan {
             pp,
             dp_replicate: dp / dp_shard,
             dp_shard,
-            tp: 1,
+            tp,
         })
     }
 }
@@ -208,6 +218,11 @@ pub struct Mesh {
     pub pp: Option<Arc<dyn ProcessGroup>>,
     /// Under hybrid sharding: the sharding group and the replicate group.
     pub hybrid: Option<(Arc<dyn ProcessGroup>, Arc<dyn ProcessGroup>)>,
+    /// This rank's tensor-parallel group, with `tp > 1`.
+    pub tp: Option<Arc<dyn ProcessGroup>>,
+    /// The ranks of this rank's pipeline stage (data-parallel x tensor-parallel): the ranks
+    /// that hold the stage's parameters between them (the world without a pipeline).
+    pub stage: Arc<dyn ProcessGroup>,
 }
 
 impl Mesh {
@@ -232,12 +247,25 @@ impl Mesh {
             1 => world.clone(),
             _ => split(MeshAxis::Dp)?,
         };
+        let tp = (shape.tp > 1).then(|| split(MeshAxis::Tp)).transpose()?;
+        let stage = match (shape.tp, shape.pp) {
+            (1, _) => dp.clone(),
+            (_, 1) => world.clone(),
+            _ => {
+                // Stages are the outermost axis: a stage's ranks are consecutive.
+                let size = world.world_size() / shape.pp;
+                let first = rank / size * size;
+                world.split(&(first..first + size).collect::<Vec<_>>(), "stage")?
+            }
+        };
         Ok(Mesh {
             world,
             shape,
             dp,
             pp,
             hybrid,
+            tp,
+            stage,
         })
     }
 
@@ -379,6 +407,8 @@ pub struct Parallel<M> {
     pub params: usize,
     /// What trains ([`Adapt::describe`]).
     pub trains: Option<String>,
+    /// What tensor parallelism split, with `tp > 1`.
+    pub tp: Option<TpReport>,
 }
 
 /// Makes `base` this rank's part of the job that `plan` describes over `mesh`, in the order of
@@ -417,10 +447,17 @@ where
         }
         _ => (None, model),
     };
-    // 3. Tensor parallelism: not built yet.
-    if mesh.shape.tp != 1 {
+    // 3. Tensor parallelism: checked here, applied after sharding registered the parameters.
+    if mesh.shape.tp > 1 && plan.shard.strategy != Strategy::Ddp {
         return Err(ParallelError::Plan(format!(
-            "tensor parallelism (tp = {}) is not built yet: tp must be 1",
+            "tensor parallelism (tp = {}) composes with the ddp strategy (and pipeline stages) \
+             in this version, not with {}",
+            mesh.shape.tp, plan.shard.strategy
+        )));
+    }
+    if mesh.shape.tp > 1 && plan.tp_plan.rules.is_empty() {
+        return Err(ParallelError::Plan(format!(
+            "tensor parallelism (tp = {}) needs a plan: which layers to split how",
             mesh.shape.tp
         )));
     }
@@ -456,6 +493,14 @@ where
         .unwrap_or_else(|| model.num_params().clamp(256 << 10, 25 << 20));
     let config = plan.shard.clone().with_bucket_bytes(bucket_bytes);
     let model = kiln_shard::shard_over(model, mesh.shard_groups(), config)?;
+    // 3 (continued). Tensor parallelism over the tp group.
+    let (model, tp) = match &mesh.tp {
+        Some(group) => {
+            let (model, report) = tensor_parallel(model, &plan.tp_plan, group.clone())?;
+            (model, Some(report))
+        }
+        None => (model, None),
+    };
     // Memory is counted per world rank (sharding counted it by the data-parallel group's rank,
     // which pipeline stages share).
     account::attribute_to_rank(mesh.world.rank());
@@ -465,6 +510,7 @@ where
         step,
         params,
         trains,
+        tp,
     })
 }
 

@@ -32,7 +32,8 @@ pub struct Piece {
     pub values: Vec<f32>,
 }
 
-/// The element range this rank holds of `t`: everything, or its shard.
+/// The element range this rank holds of `t`: everything, or its shard. (A tensor-parallel
+/// part counts as the whole tensor: its piece is gathered over the tp group.)
 ///
 /// # Panics
 /// On a view of a shard (`ShardTensor::View`): parameters and optimizer state are never views.
@@ -94,6 +95,13 @@ pub fn from_values<B: Backend>(
 /// `like`'s layout (whole, or sharded over the same group) with other values for the range
 /// this rank holds.
 pub fn like<B: Backend>(like: &ShardTensor<B>, values: Vec<f32>) -> ShardTensor<B> {
+    // A tensor-parallel part is saved and read whole (any tp degree reads any other's): this
+    // rank keeps its part of the values.
+    if let Some(part) = like.part() {
+        let (device, dtype) = (like.device(), like.dtype());
+        let whole = write::<B>(TensorData::new(values, like.shape()), &device, dtype);
+        return (part.of_whole)(whole);
+    }
     let (device, dtype, group) = match like {
         ShardTensor::Sharded(s) => (B::float_device(&s.shard), s.shard.dtype(), Some(&s.group)),
         d if d.is_sharded() => panic!("kiln: new values for a view (not a parameter)"),

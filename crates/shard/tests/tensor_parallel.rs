@@ -10,7 +10,7 @@ use burn::nn::transformer::{
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Distribution, Tensor, TensorData};
 use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
 use kiln_shard::check::{Train, params};
 use kiln_shard::tp::{TpStats, reset_stats, stats};
@@ -77,15 +77,28 @@ struct Run {
     backward: TpStats,
 }
 
-fn train(model: Tiny<B>, group: Option<Arc<dyn ProcessGroup>>) -> Run {
+/// The batch, drawn once: ranks as threads share the backend's random generator, so draws
+/// inside them would race.
+fn batch() -> (TensorData, TensorData) {
+    let device = Default::default();
+    B::seed(&device, 11);
+    let x = Tensor::<B, 3>::random([6, SEQ, D_MODEL], Distribution::Default, &device);
+    let y = Tensor::<B, 2>::random([6, 3], Distribution::Default, &device);
+    (x.into_data(), y.into_data())
+}
+
+fn train(
+    model: Tiny<B>,
+    group: Option<Arc<dyn ProcessGroup>>,
+    data: (TensorData, TensorData),
+) -> Run {
     let device = Default::default();
     let model = match group {
         Some(g) => tensor_parallel(model, &megatron(), g).unwrap().0,
         None => model,
     };
-    B::seed(&device, 11);
-    let x = Tensor::<B, 3>::random([6, SEQ, D_MODEL], Distribution::Default, &device);
-    let y = Tensor::<B, 2>::random([6, 3], Distribution::Default, &device);
+    let x = Tensor::<B, 3>::from_data(data.0, &device);
+    let y = Tensor::<B, 2>::from_data(data.1, &device);
     let mut optim = AdamWConfig::new().init();
     let mut model = model;
     let (mut losses, mut forward, mut backward) = (vec![], TpStats::default(), TpStats::default());
@@ -114,12 +127,13 @@ fn train(model: Tiny<B>, group: Option<Arc<dyn ProcessGroup>>) -> Run {
 #[test]
 fn burn_nn_transformer_under_a_path_plan_equals_one_device() {
     let initial = tiny();
-    let reference = train(initial.clone(), None);
+    let reference = train(initial.clone(), None, batch());
     for tp in [2, 4] {
         let initial = Mutex::new(initial.clone());
+        let data = batch();
         let runs = spawn_ranks(tp, |g: LocalGroup| {
             let model = initial.lock().unwrap().clone();
-            train(model, Some(Arc::new(g)))
+            train(model, Some(Arc::new(g)), data.clone())
         });
         for (rank, run) in runs.iter().enumerate() {
             let mut worst = 0f32;

@@ -102,12 +102,14 @@ pub fn validation_batches(
 }
 
 /// The mean validation loss over `eval_batches` fixed batches (the same every time and at
-/// every world size), or `None` when there are none.
+/// every world size), or `None` when there are none; `group` is every rank, `dp` the ranks
+/// that hold different rows.
 pub(crate) fn evaluate<B, C, M>(
     model: &M,
     corpus: &Corpus,
     recipe: &Recipe,
     group: &dyn ProcessGroup,
+    dp: &dyn ProcessGroup,
     device: &B::Device,
 ) -> Result<Option<f64>>
 where
@@ -122,7 +124,8 @@ where
     }
     let inner = model.valid();
     let mut total = 0.0;
-    for b in validation_batches(corpus, t, group.rank(), group.world_size()) {
+    // Rows by data-parallel rank: a tensor-parallel group's ranks compute the same rows.
+    for b in validation_batches(corpus, t, dp.rank(), dp.world_size()) {
         let (x, y) = tensors::<Shard<B>>(&b, device);
         // Evaluated in the precision the model trains in (as under torch.autocast).
         let loss: f64 = kiln_shard::autocast(recipe.train.precision, || {

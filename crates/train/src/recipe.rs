@@ -347,6 +347,17 @@ pub struct ParallelRecipe {
     /// strategy applies to each stage's data-parallel ranks.
     #[serde(default = "one")]
     pub pp: usize,
+    /// Tensor-parallel ranks (1: none): each layer the plan names is split over `tp` ranks
+    /// (Megatron's column/row split), the fastest axis of the mesh (one node). The world is
+    /// `pp` stages x data-parallel ranks x `tp`; composes with the `ddp` strategy.
+    #[serde(default = "one")]
+    pub tp: usize,
+    /// Which layers tensor parallelism splits how: `pattern=style` items, comma-separated
+    /// (`c_attn=colwise/3,c_fc=colwise,c_proj=rowwise`; styles `colwise`, `colwise/<blocks>`,
+    /// `rowwise`; a pattern without a dot matches a module path's last component, `*` any
+    /// run of characters). Empty: the model's own (Megatron's split of GPT-2 or Llama).
+    #[serde(default)]
+    pub tp_plan: String,
     /// Micro-batches per step of a pipeline (each data-parallel rank's rows are cut into them).
     #[serde(default = "one")]
     pub microbatches: usize,
@@ -405,6 +416,8 @@ impl Default for ParallelRecipe {
             overlap: true,
             bucket_kib: 0,
             pp: 1,
+            tp: 1,
+            tp_plan: String::new(),
             microbatches: 1,
             schedule: one_f_one_b(),
             split: Split::Balanced,
@@ -604,11 +617,31 @@ impl Recipe {
                 p.pp
             );
         }
-        let dp = world / p.pp;
+        if p.tp == 0 || !(world / p.pp).is_multiple_of(p.tp) {
+            fail!(
+                World,
+                "parallel.tp ({}) must divide the ranks of a stage ({} = {world} ranks / {} \
+                 stages): the world is pp stages x data-parallel ranks x tp ranks",
+                p.tp,
+                world / p.pp,
+                p.pp
+            );
+        }
+        if p.tp > 1 && p.strategy != Strategy::Ddp {
+            fail!(
+                World,
+                "parallel.tp ({}) composes with parallel.strategy ddp in this version, not {}",
+                p.tp,
+                p.strategy
+            );
+        }
+        let dp = world / p.pp / p.tp;
         if !self.train.batch_size.is_multiple_of(dp) {
-            let ranks = match p.pp {
-                1 => format!("the world size ({world})"),
-                pp => format!("the data-parallel ranks ({dp} = {world} ranks / {pp} stages)"),
+            let ranks = match (p.pp, p.tp) {
+                (1, 1) => format!("the world size ({world})"),
+                (pp, tp) => format!(
+                    "the data-parallel ranks ({dp} = {world} ranks / {pp} stages / {tp} tp ranks)"
+                ),
             };
             fail!(
                 World,

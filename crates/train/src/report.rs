@@ -21,6 +21,8 @@ pub struct RunInfo {
     pub trains: Option<String>,
     /// The pipeline: stages, micro-batches, schedule and what each stage runs.
     pub pipeline: Option<String>,
+    /// Tensor parallelism: ranks and which parameters are split how.
+    pub tensor_parallel: Option<String>,
     /// The strategy, as the recipe names it.
     pub strategy: String,
     /// The rematerialisation mode (`train.remat`).
@@ -205,6 +207,9 @@ impl RunInfo {
                 None => format!("output: {}", self.out.display()),
             },
         ];
+        if let Some(tp) = &self.tensor_parallel {
+            lines.insert(1, tp.clone());
+        }
         if let Some(pipeline) = &self.pipeline {
             lines.insert(1, pipeline.clone());
         }
@@ -450,6 +455,7 @@ mod tests {
             params: 121_000,
             trains: None,
             pipeline: None,
+            tensor_parallel: None,
             strategy: "zero3".into(),
             remat: "off".into(),
             precision: "f32".into(),

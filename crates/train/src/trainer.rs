@@ -38,7 +38,9 @@ use kiln_lora::Lora;
 use kiln_model::{CausalLm, Staged, causal_lm_loss};
 use kiln_pipe::{Pipeline, PipelineConfig, Tally};
 use kiln_shard::account::{MemKind, StepMemory};
-use kiln_shard::{LossScale, Shard, ShardConfig, ShardedOptimizer, StepConfig, StepStats, Train};
+use kiln_shard::{
+    LossScale, Shard, ShardConfig, ShardedOptimizer, StepConfig, StepStats, TpPlan, Train,
+};
 use kiln_zoo::{ModelConfig, with_model_type};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
@@ -173,7 +175,29 @@ pub fn parallel_plan(recipe: &Recipe) -> ParallelPlan {
             growth_interval: t.loss_scale_growth_interval,
         }),
         clip: (t.grad_clip > 0.0).then_some(t.grad_clip),
+        tp: p.tp,
+        tp_plan: TpPlan::default(),
     }
+}
+
+/// The tensor-parallel plan of a recipe for a model: `parallel.tp_plan`, or the model's own;
+/// the model's sizes checked against `parallel.tp` (heads, KV heads, hidden sizes).
+///
+/// # Errors
+/// A plan that does not parse; sizes that `tp` does not divide.
+pub fn tp_plan(recipe: &Recipe, config: &ModelConfig) -> Result<TpPlan> {
+    let p = &recipe.parallel;
+    if p.tp <= 1 {
+        return Ok(TpPlan::default());
+    }
+    if let Err(e) = config.check_tp(p.tp) {
+        fail!(World, "parallel.tp = {}: {e}", p.tp);
+    }
+    let text = match p.tp_plan.trim() {
+        "" => config.tp_plan(),
+        plan => plan,
+    };
+    TpPlan::parse(text).map_err(|e| TrainError::Recipe(format!("parallel.tp_plan: {e}")))
 }
 
 /// The model a run trains.
@@ -246,7 +270,8 @@ where
             device,
             report,
         } = job;
-        let plan = parallel_plan(recipe);
+        let mut plan = parallel_plan(recipe);
+        plan.tp_plan = tp_plan(recipe, &config)?;
         let mesh = Mesh::new(group.clone(), &plan)?;
         let (resume_from, memory_peers) = prepare_dir(recipe, &config, group.as_ref(), options)?;
         let t = &recipe.train;
@@ -262,6 +287,7 @@ where
             step: step_config,
             params,
             trains,
+            tp,
         } = parallelize(base, &trained, &stages, &plan, &mesh, device)?;
         let optim_config = AdamWConfig::new()
             .with_beta_1(t.beta1 as f32)
@@ -320,7 +346,35 @@ where
             done: Done::default(),
             memory_peers,
         };
-        let info = trainer.info(params, trains, resume_from.as_ref());
+        let mut info = trainer.info(params, trains, resume_from.as_ref());
+        info.tensor_parallel = tp.map(|r| {
+            format!(
+                "tensor parallel: {} ranks per layer ({} x {} x {} = pp x dp x tp); {r}; {}",
+                recipe.parallel.tp,
+                recipe.parallel.pp,
+                trainer.mesh.dp.world_size(),
+                recipe.parallel.tp,
+                r.split
+                    .iter()
+                    .map(|(path, dims, dim, blocks)| {
+                        let how = if *dim + 1 == dims.len() && dims.len() > 1 {
+                            "cols"
+                        } else if dims.len() == 1 {
+                            "out"
+                        } else {
+                            "rows"
+                        };
+                        match blocks {
+                            1 => format!("{path} {dims:?} by {how}"),
+                            k => format!("{path} {dims:?} by {how} in {k} blocks"),
+                        }
+                    })
+                    .take(6)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+                    + if r.split.len() > 6 { ", ..." } else { "" }
+            )
+        });
         trainer.report(Event::Started(&info));
         Ok(trainer)
     }
@@ -381,10 +435,11 @@ where
         );
         let (x, y) = tensors::<Train<B, C>>(&b, self.device);
         let config = StepConfig {
-            // LoRA dropout's masks: from the seed, the step and the rank only.
+            // LoRA dropout's masks: from the seed, the step and the rank only (equal across a
+            // tensor-parallel group, the mesh's fastest axis: its ranks compute one model).
             dropout_seed: Some(mix(t.seed
                 ^ mix(step as u64)
-                ^ ((group.rank() as u64) << 40))),
+                ^ (((group.rank() / self.recipe.parallel.tp.max(1)) as u64) << 40))),
             ..self.step_config
         };
         let model = self.model.take().expect("the model between steps");
@@ -480,6 +535,7 @@ where
                 &self.corpus,
                 self.recipe,
                 group.as_ref(),
+                dp.as_ref(),
                 self.device,
             )?,
             Some(pipe) if t.eval_batches > 0 => {
@@ -570,7 +626,7 @@ where
             &self.optim,
             &meta,
             self.mesh.world.as_ref(),
-            self.mesh.dp.as_ref(),
+            self.mesh.stage.as_ref(),
             self.pipe.as_ref(),
             to,
         )?;
@@ -656,6 +712,7 @@ where
                 &self.corpus,
                 self.recipe,
                 group.as_ref(),
+                dp.as_ref(),
                 self.device,
             )?,
             Some(pipe) if t.eval_batches > 0 => {
@@ -720,6 +777,7 @@ where
             model_kind: self.config.kind().name().into(),
             params,
             trains,
+            tensor_parallel: None,
             pipeline: self.pipe.as_ref().map(|pipe| {
                 format!(
                     "pipeline: {} stages x {} data-parallel ranks, {} micro-batches per step, \

@@ -187,6 +187,48 @@ impl ModelConfig {
         }
     }
 
+    /// Megatron's tensor-parallel split of the family, as a `parallel.tp_plan`: GPT-2's fused
+    /// `c_attn` by columns in three blocks (q, k, v), `c_fc` by columns, both `c_proj` by rows;
+    /// Llama's q/k/v/gate/up by columns, o/down by rows.
+    pub fn tp_plan(&self) -> &'static str {
+        match self {
+            ModelConfig::Gpt2(_) => "c_attn=colwise/3,c_fc=colwise,c_proj=rowwise",
+            ModelConfig::Llama(_) => {
+                "q_proj=colwise,k_proj=colwise,v_proj=colwise,gate_proj=colwise,\
+                 up_proj=colwise,o_proj=rowwise,down_proj=rowwise"
+            }
+        }
+    }
+
+    /// Whether `tp` ranks can split the model by [`tp_plan`](Self::tp_plan): whole heads (and
+    /// KV heads) and MLP units per rank.
+    ///
+    /// # Errors
+    /// The first size `tp` does not divide, named.
+    pub fn check_tp(&self, tp: usize) -> Result<(), String> {
+        let sizes: Vec<(&str, usize)> = match self {
+            ModelConfig::Gpt2(c) => vec![
+                ("n_head", c.n_head),
+                ("the MLP's inner size", c.n_inner.unwrap_or(4 * c.n_embd)),
+            ],
+            ModelConfig::Llama(c) => vec![
+                ("num_attention_heads", c.num_attention_heads),
+                (
+                    "num_key_value_heads",
+                    c.num_key_value_heads.unwrap_or(c.num_attention_heads),
+                ),
+                ("intermediate_size", c.intermediate_size),
+            ],
+        };
+        match sizes.iter().find(|(_, n)| tp == 0 || !n.is_multiple_of(tp)) {
+            Some((name, n)) => Err(format!(
+                "{name} ({n}) is not a multiple of tp ({tp}): each tensor-parallel rank holds \
+                 an equal share of whole heads and MLP units"
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The number of token ids the model embeds.
     pub fn vocab_size(&self) -> usize {
         match self {

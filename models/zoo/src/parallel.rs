@@ -6,7 +6,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use kiln_comm::ProcessGroup;
 use kiln_hf::HfError;
 use kiln_hf::verify::Parallel;
-use kiln_shard::{Shard, ShardConfig, Strategy};
+use kiln_shard::{Shard, ShardConfig, Strategy, TpPlan, tensor_parallel};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -15,6 +15,7 @@ use std::sync::Arc;
 pub struct Sharding<B> {
     group: Arc<dyn ProcessGroup>,
     strategy: Strategy,
+    tp: Option<(Arc<dyn ProcessGroup>, TpPlan)>,
     _inner: PhantomData<fn() -> B>,
 }
 
@@ -35,8 +36,25 @@ impl<B> Sharding<B> {
         Ok(Sharding {
             group,
             strategy,
+            tp: None,
             _inner: PhantomData,
         })
+    }
+
+    /// Tensor parallelism over `tp` as `plan` says, applied after the strategy (over `group`,
+    /// the data-parallel ranks) registered the parameters.
+    ///
+    /// # Errors
+    /// [`HfError::Parallel`] for a strategy other than DDP.
+    pub fn with_tp(mut self, tp: Arc<dyn ProcessGroup>, plan: TpPlan) -> Result<Self, HfError> {
+        if self.strategy != Strategy::Ddp {
+            return Err(HfError::Parallel(format!(
+                "tensor parallelism composes with ddp in this version, not {}",
+                self.strategy
+            )));
+        }
+        self.tp = Some((tp, plan));
+        Ok(self)
     }
 }
 
@@ -46,8 +64,13 @@ where
     AB: AutodiffBackend<InnerBackend = Shard<B>>,
 {
     fn prepare<M: AutodiffModule<AB>>(&self, model: M) -> Result<M, HfError> {
-        kiln_shard::shard(model, self.group.clone(), ShardConfig::new(self.strategy))
-            .map_err(|e| HfError::Parallel(e.to_string()))
+        let err = |e: kiln_shard::ShardError| HfError::Parallel(e.to_string());
+        let model = kiln_shard::shard(model, self.group.clone(), ShardConfig::new(self.strategy))
+            .map_err(err)?;
+        match &self.tp {
+            Some((group, plan)) => Ok(tensor_parallel(model, plan, group.clone()).map_err(err)?.0),
+            None => Ok(model),
+        }
     }
 
     fn refresh<M: AutodiffModule<AB>>(&self, model: &M) {

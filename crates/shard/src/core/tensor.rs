@@ -111,6 +111,16 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
     ) -> Result<ShardTensor<B>, ShardTensor<B>> {
         Err(other)
     }
+    /// The sum of every element, computed without forming the value.
+    fn sum(&self) -> Option<ShardTensor<B>> {
+        None
+    }
+    /// This rank's part of a tensor split over another group (tensor parallelism), and how a
+    /// new part (a reduced gradient, updated weights) becomes the tensor again: the
+    /// data-parallel strategies work on the part.
+    fn part(&self) -> Option<Part<B>> {
+        None
+    }
     /// `slice_assign(target, slices, self)` computed without forming the value, or `target`
     /// back.
     fn slice_assign(
@@ -126,6 +136,29 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
         None
     }
 }
+
+/// A rank's part of a split tensor ([`Deferred::part`]).
+#[derive(Clone)]
+pub struct Part<B: Backend> {
+    /// This rank's part.
+    pub local: Prim<B>,
+    /// The split tensor a new part of the same shape makes (a reduced gradient).
+    pub rewrap: Rewrap<B>,
+    /// The split tensor a new whole tensor makes, this rank keeping its part (weights read
+    /// from a snapshot).
+    pub of_whole: Rewrap<B>,
+}
+
+impl<B: Backend> std::fmt::Debug for Part<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Part")
+            .field("shape", &self.local.shape())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A function of an inner tensor making a tensor under the decorator ([`Part`]).
+pub type Rewrap<B> = Arc<dyn Fn(Prim<B>) -> ShardTensor<B> + Send + Sync>;
 
 /// An elementwise op on two inner tensors.
 pub type Binary<B> = Arc<dyn Fn(Prim<B>, Prim<B>) -> Prim<B> + Send + Sync>;
@@ -316,6 +349,14 @@ impl<B: Backend> ShardTensor<B> {
             ShardTensor::Local(t) => t,
             ShardTensor::Sharded(s) => s.gather(),
             ShardTensor::Deferred(d) => d.value(),
+        }
+    }
+
+    /// This rank's part of a tensor split over another group ([`Deferred::part`]).
+    pub fn part(&self) -> Option<Part<B>> {
+        match self {
+            ShardTensor::Deferred(d) => d.part(),
+            _ => None,
         }
     }
 

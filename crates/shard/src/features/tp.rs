@@ -25,7 +25,7 @@ use crate::core::ops::custom::{linear_prims, weight_grad_prims};
 use crate::core::ops::policy::current_op;
 use crate::core::scope::{self, MemKind, waiting, with_kind};
 use crate::core::tensor::{
-    Binary, Deferred, Elementwise, LinearArgs, Prim, ShardTensor, ViewOp, same_group,
+    Binary, Deferred, Elementwise, LinearArgs, Part, Prim, ShardTensor, ViewOp, same_group,
 };
 use burn_backend::{Backend, DType, TensorMetadata};
 use burn_std::{Shape, Slice};
@@ -417,6 +417,26 @@ impl<B: Backend> Deferred<B> for Placed<B> {
     }
     fn elementwise(&self, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
         Some(self.same(f(self.local.clone())))
+    }
+    fn sum(&self) -> Option<ShardTensor<B>> {
+        // Each rank's sum of its part: a pending sum (one scalar all-reduced when read).
+        Some(Partial::wrap(
+            B::float_sum(self.local.clone()),
+            self.group.clone(),
+        ))
+    }
+    fn part(&self) -> Option<Part<B>> {
+        let (split, group) = (self.split, self.group.clone());
+        let g = group.clone();
+        Some(Part {
+            local: self.local.clone(),
+            rewrap: Arc::new(move |local| {
+                ShardTensor::Deferred(Arc::new(Placed::from_part(local, split, group.clone())))
+            }),
+            of_whole: Arc::new(move |whole| {
+                ShardTensor::Deferred(Arc::new(Placed::from_whole(whole, split, g.clone())))
+            }),
+        })
     }
     fn layout(&self, op: &ViewOp) -> Option<ShardTensor<B>> {
         self.view(op)

@@ -84,9 +84,15 @@ impl<B: Backend> DistributedBackend for Shard<B> {
         );
         d.bucket_bytes += grad.local_bytes();
         d.synced.insert(id);
+        // A tensor-parallel part is reduced as the tensor (over the data-parallel group).
+        let (shape, rewrap) = match grad.part() {
+            Some(part) => (part.local.shape(), Some(part.rewrap)),
+            None => (shape, None),
+        };
         d.bucket.push(PendingGrad {
             ptr: tensor.0,
             shape,
+            rewrap,
         });
         if m.config.strategy.reduces_during_backward() && d.bucket_bytes >= m.config.bucket_bytes {
             let bucket = std::mem::take(&mut d.bucket);
@@ -122,7 +128,14 @@ fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
     // SAFETY: see `PendingGrad`: each pointer is valid and not aliased while we hold it.
     let grads = bucket
         .iter()
-        .map(|p| (unsafe { (*p.ptr).clone() }, p.shape.clone()))
+        .map(|p| {
+            let g = unsafe { (*p.ptr).clone() };
+            let g = match p.rewrap {
+                Some(_) => ShardTensor::Local(g.part().expect("a part").local),
+                None => g,
+            };
+            (g, p.shape.clone())
+        })
         .collect();
     let r = m.reduction();
     with_kind(MemKind::Comm, || {
@@ -155,6 +168,14 @@ fn land<B: Backend>(m: &ModelState<B>) {
 
 fn put_back<B: Backend>(bucket: &[PendingGrad<B>], reduced: Vec<ShardTensor<B>>) {
     for (p, reduced) in bucket.iter().zip(reduced) {
+        let reduced = match (&p.rewrap, reduced) {
+            (None, reduced) => reduced,
+            (Some(rewrap), ShardTensor::Local(part)) => rewrap(part),
+            (Some(_), _) => panic!(
+                "kiln: a tensor-parallel gradient reduced into shards: tensor parallelism \
+                 composes with DDP only (parallelize refuses the ZeRO strategies with tp > 1)"
+            ),
+        };
         // SAFETY: as in `flush`.
         unsafe { *p.ptr = reduced };
     }

@@ -18,7 +18,7 @@ use crate::core::ops::local;
 #[cfg(feature = "cuda")]
 use crate::core::ops::unary;
 use crate::core::scope::{self, waiting};
-use crate::core::tensor::{ShardTensor, Sharded};
+use crate::core::tensor::{Rewrap, ShardTensor, Sharded};
 use crate::features::zero::flat;
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
@@ -42,7 +42,10 @@ pub(crate) struct PendingGrad<B: Backend> {
     /// not removed) until backward returns; the bucket is always flushed before that, at the
     /// latest in `submit_sync_collective`.
     pub ptr: *mut ShardTensor<B>,
+    /// The shape reduced: the gradient's, or its part's under tensor parallelism.
     pub shape: Shape,
+    /// Under tensor parallelism: the part is reduced, and this makes the gradient again.
+    pub rewrap: Option<Rewrap<B>>,
 }
 
 // SAFETY: a pending gradient is created and consumed by the one thread running a backward pass

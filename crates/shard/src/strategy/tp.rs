@@ -256,6 +256,10 @@ where
             self.report.replicated_elements += dims.iter().product::<usize>();
             return param;
         };
+        if dims.contains(&0) {
+            // Another pipeline stage's parameter (an empty placeholder here).
+            return param;
+        }
         if chunk(dims[split.dim], split, n).is_none() {
             self.error.get_or_insert(ShardError::Config(format!(
                 "tensor parallelism over {n} ranks: {path} of shape {dims:?} ({style}) does not \
@@ -267,7 +271,7 @@ where
         self.report.split_elements += dims.iter().product::<usize>();
         self.report
             .split
-            .push((path, dims, split.dim, split.blocks));
+            .push((path.clone(), dims, split.dim, split.blocks));
         let group = self.group.clone();
         let place = move |t: Tensor<AB, D>| {
             replace_primitive::<B, AB, D>(t, |t: ShardTensor<B>| {
@@ -275,7 +279,24 @@ where
             })
         };
         let (id, tensor, mapper) = param.consume();
+        if tensor
+            .clone()
+            .inner()
+            .into_primitive()
+            .tensor()
+            .is_sharded()
+        {
+            self.error.get_or_insert(ShardError::Config(format!(
+                "tensor parallelism over sharded parameters ({path}): tp composes with DDP \
+                 (and pipeline stages) in this version, not with ZeRO or hybrid sharding"
+            )));
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        // Weights loaded later go through the mapper the parameter had (a strategy's), then
+        // are split.
+        let before = mapper.clone();
         let load = place.clone();
-        Param::from_mapped_value(id, place(tensor), mapper).load_mapper(load)
+        Param::from_mapped_value(id, place(tensor), mapper)
+            .load_mapper(move |t| load(before.on_load(t)))
     }
 }

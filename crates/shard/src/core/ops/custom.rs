@@ -110,12 +110,17 @@ pub(crate) fn float_empty<B: Backend>(
 
 /// Reading a shard gathers it first: a collective, so every rank must read (e.g. validation
 /// and checkpointing run on all ranks, never on rank 0 alone). Inside
-/// [`local_reads`](crate::local_reads) it reads this rank's shard instead.
+/// [`local_reads`](crate::local_reads) it reads this rank's shard (or tensor-parallel part)
+/// instead.
 pub(crate) fn float_into_data<B: Backend>(
     tensor: FloatTensor<Shard<B>>,
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
     match tensor {
         ShardTensor::Sharded(s) if scope::reading_locally() => B::float_into_data(s.shard),
+        // A tensor-parallel part likewise.
+        t if scope::reading_locally() && t.part().is_some() => {
+            B::float_into_data(t.part().expect("a part").local)
+        }
         t => B::float_into_data(local(t)),
     }
 }
@@ -207,6 +212,9 @@ fn reduce_all<B: Backend>(
             return ShardTensor::Local(local_op(s.shard));
         }
         ShardTensor::Sharded(s) => s,
+        ShardTensor::Deferred(d) if op == ReduceOp::Sum && d.sum().is_some() => {
+            return d.sum().expect("a sum");
+        }
         // A view may slice or expand: reduce what it shows.
         d @ ShardTensor::Deferred(_) => return ShardTensor::Local(local_op(local(d))),
     };
@@ -238,6 +246,12 @@ pub(crate) fn float_mean<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTens
             let n = s.numel();
             let sum = local(float_sum::<B>(ShardTensor::Sharded(s)));
             ShardTensor::Local(B::float_div_scalar(sum, (n as f64).into()))
+        }
+        ShardTensor::Deferred(d) if d.sum().is_some() => {
+            let n = d.shape().num_elements();
+            super::policy::unary(d.sum().expect("a sum"), move |t| {
+                B::float_div_scalar(t, (n as f64).into())
+            })
         }
         t => ShardTensor::Local(B::float_mean(local(t))),
     }
