@@ -9,7 +9,7 @@ use kiln_comm::{LocalGroup, ProcessGroup};
 use kiln_hf::Pretrained;
 use kiln_lora::{Check, Lora};
 use kiln_model::CausalLm;
-use kiln_shard::{ShardConfig, Strategy};
+use kiln_shard::{ShardConfig, Strategy, TpPlan};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -26,9 +26,18 @@ pub struct VerifyLoraArgs {
     /// Ranks (threads of this process) for a sharding strategy.
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
+    /// Tensor-parallel ranks among them (the base model's Megatron plan; with --strategy
+    /// ddp): ranks = data-parallel ranks x tp.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
 }
 
-fn checks<M>(dir: &Path, strategy: Option<Strategy>, ranks: usize) -> Result<Vec<Check>>
+fn checks<M>(
+    dir: &Path,
+    strategy: Option<Strategy>,
+    ranks: usize,
+    tp: Option<(usize, TpPlan)>,
+) -> Result<Vec<Check>>
 where
     M: Pretrained<B> + CausalLm<B> + AutodiffModule<B>,
     Lora<B, M>: AutodiffModule<B>,
@@ -51,13 +60,28 @@ where
         )?);
     };
     let per_rank = kiln_shard::threads::spawn_ranks(ranks, |g: LocalGroup| -> Result<Vec<Check>> {
-        let group: Arc<dyn ProcessGroup> = Arc::new(g);
-        let model = kiln_shard::shard(load()?, group, ShardConfig::new(strategy))?;
-        Ok(kiln_lora::verify_lora::<Flex, B, M>(
-            model,
-            dir,
-            &Default::default(),
-        )?)
+        let world: Arc<dyn ProcessGroup> = Arc::new(g);
+        let mut plan = kiln::ParallelPlan::new(strategy);
+        plan.tp = tp.as_ref().map_or(1, |(n, _)| *n);
+        let mesh = kiln::Mesh::new(world, &plan)?;
+        let model = kiln_shard::shard(load()?, mesh.dp.clone(), ShardConfig::new(strategy))?;
+        let model = match (&mesh.tp, &tp) {
+            (Some(group), Some((_, tp_plan))) => {
+                kiln_shard::tensor_parallel(model, tp_plan, group.clone())?.0
+            }
+            _ => model,
+        };
+        kiln_shard::tp::reset_stats();
+        let checks = kiln_lora::verify_lora::<Flex, B, M>(model, dir, &Default::default())?;
+        if mesh.world.rank() == 0 && mesh.tp.is_some() {
+            let s = kiln_shard::tp::stats();
+            println!(
+                "tensor parallel (rank 0, the whole verification): {} all-reduces of partial \
+                 sums; split tensors formed whole by op: {:?}",
+                s.all_reduces, s.gathers
+            );
+        }
+        Ok(checks)
     })
     .map_err(anyhow::Error::msg)?;
     // Every rank computed every quantity: keep each quantity's worst rank.
@@ -88,16 +112,35 @@ pub fn verify_lora(args: &VerifyLoraArgs) -> Result<i32> {
         bail!("--ranks must be at least 1");
     }
     let kind = kiln_hf::model_type(args.dir.join("base"))?;
+    let tp = match args.tp {
+        0 => bail!("--tp must be at least 1"),
+        1 => None,
+        tp if strategy != Some(Strategy::Ddp) || !args.ranks.is_multiple_of(tp) => bail!(
+            "--tp {tp} needs --strategy ddp and --ranks a multiple of it (ranks = data-parallel \
+             ranks x tp)"
+        ),
+        tp => {
+            let config = kiln_zoo::ModelConfig::from_dir(args.dir.join("base"))?;
+            if let Err(e) = config.check_tp(tp) {
+                bail!("--tp {tp}: {e}");
+            }
+            Some((tp, TpPlan::parse(config.tp_plan())?))
+        }
+    };
     let checks = match kind.as_str() {
-        "gpt2" => checks::<kiln_gpt2::Gpt2<B>>(&args.dir, strategy, args.ranks)?,
-        "llama" => checks::<kiln_llama::Llama<B>>(&args.dir, strategy, args.ranks)?,
+        "gpt2" => checks::<kiln_gpt2::Gpt2<B>>(&args.dir, strategy, args.ranks, tp)?,
+        "llama" => checks::<kiln_llama::Llama<B>>(&args.dir, strategy, args.ranks, tp)?,
         other => bail!("base/config.json has model_type '{other}'; kiln has gpt2 and llama"),
     };
     println!(
-        "{}: LoRA vs PEFT, {} on {} rank(s)",
+        "{}: LoRA vs PEFT, {} on {} rank(s){}",
         args.dir.display(),
         args.strategy,
-        args.ranks
+        args.ranks,
+        match args.tp {
+            1 => String::new(),
+            tp => format!(" ({} data-parallel x tp {tp})", args.ranks / tp),
+        }
     );
     for c in &checks {
         println!("  {c}");

@@ -269,6 +269,19 @@ impl RunInfo {
             if let Some(b) = &s.bubble {
                 lines.push(bubble_line(b));
             }
+            if let Some(tp) = &s.tensor_parallel {
+                lines.push(format!(
+                    "tensor parallel, rank 0's last step: {} all-reduces of partial sums ({} \
+                     bytes); {} split tensors formed whole{}",
+                    tp.all_reduces,
+                    tp.all_reduce_bytes,
+                    tp.total_gathers(),
+                    match tp.gathers.is_empty() {
+                        true => String::new(),
+                        false => format!(" (no rule for these ops yet: {:?})", tp.gathers),
+                    }
+                ));
+            }
         }
         lines.extend(memory_lines(&s.memory));
         if let (Some(first), Some(last)) = (s.losses.first(), s.losses.last()) {

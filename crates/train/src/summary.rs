@@ -56,6 +56,8 @@ pub struct Summary {
     /// A pipelined run's bubble, from its second step on (stage group of data-parallel rank
     /// 0 as reported; every stage group computes its own).
     pub bubble: Option<kiln_pipe::Bubble>,
+    /// Tensor parallelism's communication in rank 0's last step (with `parallel.tp > 1`).
+    pub tensor_parallel: Option<kiln_shard::tp::TpStats>,
 }
 
 /// One rank's memory in its most demanding step, beside its optimizer state.

@@ -249,6 +249,8 @@ struct Done {
     val_loss_before: Option<f64>,
     sample_before: Option<String>,
     tally: Tally,
+    /// Tensor parallelism's communication in the last step.
+    tensor_parallel: Option<kiln_shard::tp::TpStats>,
 }
 
 impl<'a, B, C, P> Trainer<'a, B, C, P>
@@ -443,6 +445,7 @@ where
             ..self.step_config
         };
         let model = self.model.take().expect("the model between steps");
+        kiln_shard::tp::reset_stats();
         let (model, stats) = match &self.pipe {
             Some(pipe) => {
                 let (model, stats, stage) =
@@ -458,6 +461,9 @@ where
             })?,
         };
         self.model = Some(model);
+        if self.recipe.parallel.tp > 1 {
+            self.done.tensor_parallel = Some(kiln_shard::tp::stats());
+        }
         self.step_config.loss_scale = stats.loss_scale;
         match stats.skipped {
             true => self.done.skipped_steps += 1,
@@ -511,6 +517,9 @@ where
             "remat_policy_s": stats.remat.map(|r| r.policy.as_secs_f64()),
             "loss_scale": config.loss_scale.map(|s| s.scale),
             "skipped": stats.skipped,
+            "tp_all_reduces": self.done.tensor_parallel.as_ref().map(|t| t.all_reduces),
+            "tp_all_reduce_bytes": self.done.tensor_parallel.as_ref().map(|t| t.all_reduce_bytes),
+            "tp_formed_whole": self.done.tensor_parallel.as_ref().map(|t| t.total_gathers()),
         }))?;
         self.report(Event::Step(&Progress {
             step,
@@ -692,6 +701,7 @@ where
             skipped_steps: done.skipped_steps,
             loss_scale: self.step_config.loss_scale.map(|s| s.scale),
             bubble,
+            tensor_parallel: done.tensor_parallel,
         };
         self.report(Event::Finished {
             summary: &summary,

@@ -142,6 +142,8 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
 pub struct Part<B: Backend> {
     /// This rank's part.
     pub local: Prim<B>,
+    /// The group the tensor is split over.
+    pub group: Arc<dyn ProcessGroup>,
     /// The split tensor a new part of the same shape makes (a reduced gradient).
     pub rewrap: Rewrap<B>,
     /// The split tensor a new whole tensor makes, this rank keeping its part (weights read

@@ -229,6 +229,15 @@ fn gather<B: Backend>(p: &Placed<B>) -> Prim<B> {
     let mut full = with_kind(MemKind::Comm, || host.zeros(numel * n));
     waiting(|| group.all_gather(host.buf(), full.buf_mut()))
         .unwrap_or_else(|e| collective_failed("all-gather", &p.shape, group, e));
+    if std::env::var("KILN_TP_DEBUG").is_ok() {
+        eprintln!(
+            "tp gather at {} of {:?} split {:?}\n{}",
+            current_op(),
+            p.shape,
+            p.split,
+            std::backtrace::Backtrace::force_capture()
+        );
+    }
     STATS.with(|s| {
         let mut s = s.borrow_mut();
         *s.gathers.entry(current_op()).or_default() += 1;
@@ -430,6 +439,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         let g = group.clone();
         Some(Part {
             local: self.local.clone(),
+            group: self.group.clone(),
             rewrap: Arc::new(move |local| {
                 ShardTensor::Deferred(Arc::new(Placed::from_part(local, split, group.clone())))
             }),

@@ -378,28 +378,23 @@ where
                 return;
             };
             let square_sum = |t: B::FloatTensorPrimitive| B::float_sum(B::float_mul(t.clone(), t));
-            match g.into_primitive().tensor() {
-                ShardTensor::Sharded(s) => {
-                    let part = if s.shard.shape().num_elements() == 0 {
-                        None
-                    } else {
-                        Some(square_sum(s.shard))
-                    };
-                    let at = match self
-                        .sharded
-                        .iter()
-                        .position(|(g, _)| same_group(g, &s.group))
-                    {
-                        Some(at) => at,
-                        None => {
-                            self.sharded.push((s.group.clone(), Vec::new()));
-                            self.sharded.len() - 1
-                        }
-                    };
-                    self.sharded[at].1.extend(part);
+            // A shard's or a tensor-parallel part's squares are summed over its group.
+            let (part, group) = match g.into_primitive().tensor() {
+                ShardTensor::Sharded(s) => (s.shard, s.group),
+                t => match t.part() {
+                    Some(p) => (p.local, p.group),
+                    None => return self.whole.push(square_sum(local(t))),
+                },
+            };
+            let part = (part.shape().num_elements() > 0).then(|| square_sum(part));
+            let at = match self.sharded.iter().position(|(g, _)| same_group(g, &group)) {
+                Some(at) => at,
+                None => {
+                    self.sharded.push((group, Vec::new()));
+                    self.sharded.len() - 1
                 }
-                t => self.whole.push(square_sum(local(t))),
-            }
+            };
+            self.sharded[at].1.extend(part);
         }
     }
     /// One read of many one-element tensors, summed in f64.

@@ -1,0 +1,113 @@
+//! Tensor parallelism in kiln's training job (ranks as threads): `parallel.tp` trains like one
+//! device, alone, beside DDP and with pipeline stages; a snapshot written at tp 2 x dp 2
+//! resumes at tp 1 and tp 4 with the same next-step loss; a tp that does not divide the heads
+//! is refused by name.
+
+use common::{chain, recipe, run};
+
+mod common;
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-5 * b.abs()
+}
+
+#[test]
+fn tensor_parallel_runs_train_like_one_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let heads = ["model.heads=4", "train.batch_size=4"];
+    let one = run(
+        &recipe(&dir.path().join("one"), "ddp", &heads),
+        1,
+        false,
+        None,
+    );
+    for (name, ranks, extra) in [
+        ("tp 2", 2, vec!["parallel.tp=2"]),
+        ("tp 4", 4, vec!["parallel.tp=4"]),
+        ("tp 2 x ddp 2", 4, vec!["parallel.tp=2"]),
+        (
+            "tp 2 x pp 2",
+            4,
+            vec![
+                "parallel.tp=2",
+                "parallel.pp=2",
+                "model.layers=2",
+                "parallel.microbatches=2",
+            ],
+        ),
+    ] {
+        let mut o = heads.to_vec();
+        o.extend(extra.iter());
+        let reference = match name {
+            "tp 2 x pp 2" => run(
+                &recipe(
+                    &dir.path().join("two"),
+                    "ddp",
+                    &[heads[0], heads[1], "model.layers=2"],
+                ),
+                1,
+                false,
+                None,
+            ),
+            _ => one.clone(),
+        };
+        let n = run(
+            &recipe(&dir.path().join(name), "ddp", &o),
+            ranks,
+            false,
+            None,
+        );
+        for (step, (a, b)) in n.losses.iter().zip(&reference.losses).enumerate() {
+            assert!(close(*a, *b), "{name}, step {}: {a} vs {b}", step + 1);
+        }
+        let (a, b) = (n.val_loss.unwrap(), reference.val_loss.unwrap());
+        assert!(close(a, b), "{name}: validation {a} vs {b}");
+    }
+}
+
+#[test]
+fn a_tensor_parallel_snapshot_resumes_at_other_tp_degrees() {
+    let dir = tempfile::tempdir().unwrap();
+    let heads = "model.heads=4";
+    let whole = run(
+        &recipe(&dir.path().join("ref"), "ddp", &[heads]),
+        1,
+        false,
+        None,
+    );
+    for (tp, ranks) in [("parallel.tp=1", 1), ("parallel.tp=4", 4)] {
+        let out = dir.path().join(tp);
+        run(
+            &recipe(&out, "ddp", &[heads, "parallel.tp=2"]),
+            4,
+            false,
+            Some(3),
+        );
+        let resumed = run(&recipe(&out, "ddp", &[heads, tp]), ranks, true, None);
+        assert!(
+            close(resumed.losses[0], whole.losses[3]),
+            "{tp}: step 4 {} vs {}",
+            resumed.losses[0],
+            whole.losses[3]
+        );
+        let (v, w) = (resumed.val_loss.unwrap(), whole.val_loss.unwrap());
+        assert!(close(v, w), "{tp}: validation {v} vs {w}");
+    }
+}
+
+#[test]
+fn a_tp_that_does_not_divide_the_heads_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = recipe(dir.path(), "ddp", &["parallel.tp=4"]);
+    let e = kiln_train::train_threads::<burn::backend::Flex>(&r, 4, Default::default())
+        .map(|_| ())
+        .unwrap_err();
+    let e = chain(e);
+    assert!(e.contains("n_head (2) is not a multiple of tp (4)"), "{e}");
+    let r = recipe(dir.path(), "zero3", &["parallel.tp=2"]);
+    let e = kiln_train::train_threads::<burn::backend::Flex>(&r, 2, Default::default())
+        .map(|_| ())
+        .unwrap_err();
+    let e = chain(e);
+    assert!(e.contains("composes with parallel.strategy ddp"), "{e}");
+}
