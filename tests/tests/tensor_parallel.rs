@@ -114,6 +114,52 @@ fn check<M: AutodiffModule<B> + Clone + Send>(
                 reference.losses
             );
             let bytes = 2 * LAYERS * BATCH * SEQ * n_embd * 4;
+            if plan.sequence_parallel {
+                // Megatron's sequence parallelism: per block, 2 all-gathers and 2
+                // reduce-scatters forward; backward 2 reduce-scatters and 4 all-gathers (the
+                // row-parallel layers' output gradients, and the column-parallel layers'
+                // inputs again for their weight gradients, as Megatron-LM does). The first
+                // block's attention reads the (whole) embedding: one all-gather fewer each way.
+                // The embedding's gradient is gathered (the end of the sequence-parallel
+                // region, one per embedding table); nothing else is formed whole.
+                let (f, b) = (&run.forward, &run.backward);
+                let tables = if name == "GPT-2" { 2 } else { 1 };
+                assert_eq!(
+                    (f.all_gathers, f.reduce_scatters, f.total_gathers()),
+                    (2 * LAYERS - 1, 2 * LAYERS, 0),
+                    "{name} tp {tp} sp rank {rank} forward: {f:?}"
+                );
+                assert_eq!(
+                    (b.all_gathers, b.reduce_scatters, b.gathers.clone()),
+                    (
+                        4 * LAYERS - 1,
+                        2 * LAYERS,
+                        [("embedding_backward", tables)].into_iter().collect()
+                    ),
+                    "{name} tp {tp} sp rank {rank} backward: {b:?}"
+                );
+                let tokens = BATCH * SEQ * n_embd * 4;
+                assert_eq!(f.reduce_scatter_bytes, 2 * LAYERS * tokens);
+                assert_eq!(
+                    f.all_gather_bytes,
+                    (2 * LAYERS - 1) * tokens * (tp - 1) / tp
+                );
+                if rank == 0 {
+                    println!(
+                        "{name} tp {tp} with sequence parallelism: largest relative error \
+                         {worst:e}; forward {} all-gathers, {} reduce-scatters; backward {} \
+                         all-gathers, {} reduce-scatters, {} all-reduces (gradient terms of weights \
+                         applied to sequence parts: norms, biases, a tied head; {} bytes)",
+                        f.all_gathers,
+                        f.reduce_scatters,
+                        b.all_gathers,
+                        b.reduce_scatters,
+                        b.all_reduces,
+                        b.all_reduce_bytes
+                    );
+                }
+                continue;
+            }
             for (pass, s) in [("forward", &run.forward), ("backward", &run.backward)] {
                 assert_eq!(
                     (s.all_reduces, s.all_reduce_bytes, s.total_gathers()),
@@ -138,13 +184,15 @@ fn gpt2_under_its_default_plan_equals_one_device() {
     B::seed(&device, 3);
     let model = kiln_gpt2::Gpt2Config::new(VOCAB, SEQ, 32, LAYERS, 4).init::<B>(&device);
     params::<Flex, _>(&model);
-    check(
-        "GPT-2",
-        model,
-        |m: &kiln_gpt2::Gpt2<B>, x| m.forward(x),
-        TpPlan::gpt2(),
-        32,
-    );
+    for sp in [false, true] {
+        check(
+            "GPT-2",
+            model.clone(),
+            |m: &kiln_gpt2::Gpt2<B>, x| m.forward(x),
+            TpPlan::gpt2().with_sequence_parallel(sp),
+            32,
+        );
+    }
 }
 
 #[test]
@@ -172,11 +220,13 @@ fn llama_under_its_default_plan_equals_one_device() {
     };
     let model = config.init::<B>(&device);
     params::<Flex, _>(&model);
-    check(
-        "Llama",
-        model,
-        |m: &kiln_llama::Llama<B>, x| m.forward(x),
-        TpPlan::llama(),
-        32,
-    );
+    for sp in [false, true] {
+        check(
+            "Llama",
+            model.clone(),
+            |m: &kiln_llama::Llama<B>, x| m.forward(x),
+            TpPlan::llama().with_sequence_parallel(sp),
+            32,
+        );
+    }
 }

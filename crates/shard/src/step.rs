@@ -237,6 +237,8 @@ where
             None => grads(&model, &passes),
         };
         let (total, grads) = with_batch_statistics::<B, AB, M, _>(&model, 1.0, produce)?;
+        // Sequence parallelism's gathered input kept for reuse is not needed past backward.
+        crate::features::tp::release_kept();
         let grads = match config.precision.is_mixed() {
             true => widen_grads::<AB, M>(&model, grads),
             false => grads,

@@ -111,6 +111,14 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
     ) -> Result<ShardTensor<B>, ShardTensor<B>> {
         Err(other)
     }
+    /// `gather(dim, self, indices)`, computed without forming the value.
+    fn take(
+        &self,
+        _dim: usize,
+        _indices: &<B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    ) -> Option<ShardTensor<B>> {
+        None
+    }
     /// The sum of every element, computed without forming the value.
     fn sum(&self) -> Option<ShardTensor<B>> {
         None

@@ -50,6 +50,10 @@ pub struct Placed<B: Backend> {
     shape: Shape,
     split: Split,
     group: Arc<dyn ProcessGroup>,
+    /// A weight under sequence parallelism: a row-parallel layer's output is reduce-scattered
+    /// along the sequence instead of all-reduced, a column-parallel layer's input gradient
+    /// likewise (Megatron's sequence parallelism).
+    sequence: bool,
 }
 
 /// Tensor-parallel communication of this thread (the rank computing) since the last
@@ -65,6 +69,16 @@ pub struct TpStats {
     pub gathers: BTreeMap<&'static str, usize>,
     /// Bytes this rank received for them.
     pub gather_bytes: usize,
+    /// Sequence parallelism's all-gathers (a column-parallel layer's input, a row-parallel
+    /// layer's output gradient, and the input again for a weight's gradient).
+    pub all_gathers: usize,
+    /// Bytes this rank received for them.
+    pub all_gather_bytes: usize,
+    /// Sequence parallelism's reduce-scatters (a row-parallel layer's output, a
+    /// column-parallel layer's input gradient).
+    pub reduce_scatters: usize,
+    /// Bytes this rank contributed to them.
+    pub reduce_scatter_bytes: usize,
 }
 
 impl TpStats {
@@ -78,13 +92,34 @@ thread_local! {
     static STATS: RefCell<TpStats> = RefCell::new(TpStats::default());
 }
 
+thread_local! {
+    /// One gathered part kept for its next use (see `Placed::gathered_input`): the part (held,
+    /// so that its identity cannot be reused) and the whole tensor.
+    static KEPT: RefCell<Option<Box<dyn std::any::Any>>> = const { RefCell::new(None) };
+}
+
+/// The kept whole tensor of `p`, if `p` is the part kept.
+fn take_kept<B: Backend>(p: &Arc<Placed<B>>) -> Option<Prim<B>> {
+    KEPT.with(|k| {
+        let k = k.borrow();
+        let (kept, whole) = k.as_ref()?.downcast_ref::<(Arc<Placed<B>>, Prim<B>)>()?;
+        Arc::ptr_eq(kept, p).then(|| whole.clone())
+    })
+}
+
+/// Drops the whole tensor kept for reuse (kiln's step does at its end).
+pub fn release_kept() {
+    KEPT.with(|k| *k.borrow_mut() = None);
+}
+
 /// This thread's tensor-parallel communication since the last [`reset_stats`].
 pub fn stats() -> TpStats {
     STATS.with(|s| s.borrow().clone())
 }
 
-/// Starts counting anew.
+/// Starts counting anew (and drops the whole tensor kept for reuse).
 pub fn reset_stats() {
+    release_kept();
     STATS.with(|s| *s.borrow_mut() = TpStats::default());
 }
 
@@ -104,7 +139,14 @@ impl<B: Backend> Placed<B> {
             shape: Shape::from(dims),
             split,
             group,
+            sequence: false,
         }
+    }
+
+    /// A weight whose layer runs sequence-parallel (see the field).
+    pub fn with_sequence(mut self, sequence: bool) -> Self {
+        self.sequence = sequence;
+        self
     }
 
     /// This rank's part of the whole tensor `whole` (no communication).
@@ -134,8 +176,50 @@ impl<B: Backend> Placed<B> {
         )))
     }
 
+    /// The dimension sequence parallelism splits in a layer's input or output of `dims`
+    /// (the tokens: `[batch, seq, features]`'s seq, `[rows, features]`'s rows), when this
+    /// weight's layer runs sequence-parallel and the tokens divide over the group.
+    fn sequence_dim(&self, dims: &[usize]) -> Option<usize> {
+        let d = dims.len().checked_sub(2)?;
+        (self.sequence && dims[d].is_multiple_of(self.group.world_size())).then_some(d)
+    }
+
+    /// `x` whole if it is a part split along another dimension than its last (sequence
+    /// parallelism's all-gather), `Err(x)` if it is some other deferred value. With `keep`,
+    /// the whole tensor is kept until another is (one at a time, per thread) for the next calls
+    /// with the same part: q, k and v reading one input gather it once, and a row-parallel
+    /// layer's output gradient serves its input gradient, then its weight gradient.
+    fn gathered_input(&self, x: ShardTensor<B>, keep: bool) -> Result<Prim<B>, ShardTensor<B>> {
+        match x {
+            ShardTensor::Local(x) => Ok(x),
+            x => match x.deferred::<Placed<B>>() {
+                Some(p)
+                    if p.split.dim + 1 != p.shape.num_dims()
+                        && same_group(&p.group, &self.group) =>
+                {
+                    if let Some(whole) = take_kept::<B>(&p) {
+                        return Ok(whole);
+                    }
+                    let whole = all_gather::<B>(&p, Why::Sequence);
+                    if keep {
+                        KEPT.with(|k| *k.borrow_mut() = Some(Box::new((p, whole.clone()))));
+                    }
+                    Ok(whole)
+                }
+                _ => Err(x),
+            },
+        }
+    }
+
+    /// A new part split as this one (a weight's new values stay a weight's: the sequence
+    /// parallelism of its layer is kept).
     fn same(&self, local: Prim<B>) -> ShardTensor<B> {
-        self.wrap(local, self.split)
+        self.same_with(local, self.sequence)
+    }
+
+    fn same_with(&self, local: Prim<B>, sequence: bool) -> ShardTensor<B> {
+        let p = Placed::from_part(local, self.split, self.group.clone());
+        ShardTensor::Deferred(Arc::new(p.with_sequence(sequence)))
     }
 
     /// The part of `other` matching this tensor's split, when `other` is a replicated tensor
@@ -207,8 +291,39 @@ fn part<B: Backend>(t: Prim<B>, split: Split, group: &dyn ProcessGroup) -> Prim<
     B::float_reshape(t, Shape::from(out))
 }
 
+/// Why a split tensor is formed whole.
+#[derive(Debug, Clone, Copy)]
+enum Why {
+    /// An op without a rule (counted by its name).
+    NoRule,
+    /// Sequence parallelism's all-gather.
+    Sequence,
+}
+
+/// Rank `group.rank()`'s part of the whole integer tensor `t` (indices), as [`part`].
+fn part_int<B: Backend>(
+    t: <B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    split: Split,
+    group: &dyn ProcessGroup,
+) -> <B as burn_backend::BackendTypes>::IntTensorPrimitive {
+    let (n, rank) = (group.world_size(), group.rank());
+    let dims = t.shape().as_slice().to_vec();
+    let d = split.dim;
+    let c = dims[d] / (split.blocks * n);
+    let mut split_dims = dims[..d].to_vec();
+    split_dims.extend([split.blocks, n, c]);
+    split_dims.extend(&dims[d + 1..]);
+    let t = B::int_reshape(t, Shape::from(split_dims.clone()));
+    let mut s: Vec<Slice> = split_dims.iter().map(|&m| Slice::from(0..m)).collect();
+    s[d + 1] = Slice::from(rank..rank + 1);
+    let t = B::int_slice(t, &s);
+    let mut out = dims.clone();
+    out[d] = split.blocks * c;
+    B::int_reshape(t, Shape::from(out))
+}
+
 /// The whole tensor from every rank's part: one all-gather.
-fn gather<B: Backend>(p: &Placed<B>) -> Prim<B> {
+fn all_gather<B: Backend>(p: &Placed<B>, why: Why) -> Prim<B> {
     let group = p.group.as_ref();
     let n = group.world_size();
     let dims = p.local.shape().as_slice().to_vec();
@@ -240,8 +355,17 @@ fn gather<B: Backend>(p: &Placed<B>) -> Prim<B> {
     }
     STATS.with(|s| {
         let mut s = s.borrow_mut();
-        *s.gathers.entry(current_op()).or_default() += 1;
-        s.gather_bytes += numel * (n - 1) * dtype.size();
+        let bytes = numel * (n - 1) * dtype.size();
+        match why {
+            Why::NoRule => {
+                *s.gathers.entry(current_op()).or_default() += 1;
+                s.gather_bytes += bytes;
+            }
+            Why::Sequence => {
+                s.all_gathers += 1;
+                s.all_gather_bytes += bytes;
+            }
+        }
     });
     // [n, k, c, rest..] -> [k, n, c, rest..] -> [k n c, rest..] -> the original order.
     let mut gathered = vec![n, k, c];
@@ -255,6 +379,38 @@ fn gather<B: Backend>(p: &Placed<B>) -> Prim<B> {
     let mut back: Vec<usize> = (1..dims.len()).collect();
     back.insert(d, 0);
     B::float_permute(whole, &back)
+}
+
+/// This rank's part, split along `dim` (one chunk per rank), of the sum of every rank's `t`
+/// over `group`: one reduce-scatter.
+fn reduce_scatter<B: Backend>(t: Prim<B>, dim: usize, group: &dyn ProcessGroup) -> Prim<B> {
+    let n = group.world_size();
+    let dims = t.shape().as_slice().to_vec();
+    let device = B::float_device(&t);
+    let dtype = t.dtype();
+    // The dimension first, so that each rank's chunk is one run of the flat buffer.
+    let mut axes = vec![dim];
+    axes.extend((0..dims.len()).filter(|&i| i != dim));
+    let front = B::float_permute(t, &axes);
+    let numel = dims.iter().product::<usize>();
+    let host = with_kind(MemKind::Comm, || {
+        Host::from_data(read::<B>(B::float_reshape(front, Shape::from(vec![numel]))))
+    });
+    let mut mine = with_kind(MemKind::Comm, || host.zeros(numel / n));
+    waiting(|| group.reduce_scatter(host.buf(), mine.buf_mut(), ReduceOp::Sum)).unwrap_or_else(
+        |e| collective_failed("reduce-scatter", &Shape::from(dims.clone()), group, e),
+    );
+    STATS.with(|s| {
+        let mut s = s.borrow_mut();
+        s.reduce_scatters += 1;
+        s.reduce_scatter_bytes += numel * dtype.size();
+    });
+    let mut part: Vec<usize> = axes.iter().map(|&a| dims[a]).collect();
+    part[0] /= n;
+    let t = write::<B>(mine.into_data(Shape::from(part)), &device, dtype);
+    let mut back: Vec<usize> = (1..dims.len()).collect();
+    back.insert(dim, 0);
+    B::float_permute(t, &back)
 }
 
 /// The sum of every rank's `t` over `group`.
@@ -416,7 +572,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         B::float_device(&self.local)
     }
     fn value(&self) -> Prim<B> {
-        gather(self)
+        all_gather(self, Why::NoRule)
     }
     fn held_bytes(&self) -> usize {
         self.local.shape().num_elements() * self.local.dtype().size()
@@ -435,16 +591,18 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         ))
     }
     fn part(&self) -> Option<Part<B>> {
-        let (split, group) = (self.split, self.group.clone());
+        let (split, group, sequence) = (self.split, self.group.clone(), self.sequence);
         let g = group.clone();
         Some(Part {
             local: self.local.clone(),
             group: self.group.clone(),
             rewrap: Arc::new(move |local| {
-                ShardTensor::Deferred(Arc::new(Placed::from_part(local, split, group.clone())))
+                let p = Placed::from_part(local, split, group.clone());
+                ShardTensor::Deferred(Arc::new(p.with_sequence(sequence)))
             }),
             of_whole: Arc::new(move |whole| {
-                ShardTensor::Deferred(Arc::new(Placed::from_whole(whole, split, g.clone())))
+                let p = Placed::from_whole(whole, split, g.clone());
+                ShardTensor::Deferred(Arc::new(p.with_sequence(sequence)))
             }),
         })
     }
@@ -452,7 +610,12 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         self.view(op)
     }
     fn along(&self, dim: usize, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
-        (dim != self.split.dim).then(|| self.same(f(self.local.clone())))
+        if dim != self.split.dim {
+            return Some(self.same(f(self.local.clone())));
+        }
+        // A sum along the split dimension: every rank's is a term (a pending sum).
+        (current_op() == "float_sum_dim")
+            .then(|| Partial::wrap(f(self.local.clone()), self.group.clone()))
     }
     fn binary(
         self: Arc<Self>,
@@ -460,13 +623,16 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         self_lhs: bool,
         f: &Binary<B>,
     ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        // An optimizer's update of a weight keeps the weight's sequence parallelism, whichever
+        // operand carries it.
+        let sequence = self.sequence || other.deferred::<Placed<B>>().is_some_and(|p| p.sequence);
         let o = self.matching(other)?;
         let y = if self_lhs {
             f(self.local.clone(), o)
         } else {
             f(o, self.local.clone())
         };
-        Ok(self.same(y))
+        Ok(self.same_with(y, sequence))
     }
     fn matmul(
         self: Arc<Self>,
@@ -489,20 +655,20 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             (true, true, ShardTensor::Local(o)) | (false, false, ShardTensor::Local(o)) => {
                 Ok(self.same(run(self.local.clone(), o)))
             }
-            // The contracted dimension split: a partial sum, all-reduced.
+            // The contracted dimension split (alike on both sides): a partial sum, all-reduced.
             (true, false, other) | (false, true, other) => {
-                let (od, ob) = if self_lhs { (r - 2, 1) } else { (r - 1, 1) };
+                let od = if self_lhs { r - 2 } else { r - 1 };
+                let blocks = self.split.blocks;
                 let o = match (&other, other_placed) {
                     (_, Some(p))
                         if p.split.dim == od
-                            && p.split.blocks == ob
-                            && self.split.blocks == 1
+                            && p.split.blocks == blocks
                             && same_group(&p.group, &self.group) =>
                     {
                         p.local.clone()
                     }
-                    (ShardTensor::Local(o), None) if self.split.blocks == 1 => {
-                        part::<B>(o.clone(), Split { dim: od, blocks: 1 }, self.group.as_ref())
+                    (ShardTensor::Local(o), None) => {
+                        part::<B>(o.clone(), Split { dim: od, blocks }, self.group.as_ref())
                     }
                     _ => return Err(other),
                 };
@@ -517,9 +683,11 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         }
         let last = x.shape().num_dims() - 1;
         if self.split.dim == 1 {
-            // Column parallel: x replicated, the output split along its last dimension.
-            let ShardTensor::Local(xl) = x else {
-                return Err((x, bias));
+            // Column parallel: x replicated (gathered along the sequence under sequence
+            // parallelism), the output split along its last dimension.
+            let xl = match self.gathered_input(x, true) {
+                Ok(x) => x,
+                Err(x) => return Err((x, bias)),
             };
             let b = match bias {
                 None => None,
@@ -568,14 +736,23 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             Some(ShardTensor::Local(b)) => Some(b),
             Some(b) => Some(b.into_whole()),
         };
-        let y = self.reduce(linear_prims::<B>(policy(), vec![xl, self.local.clone()]));
-        Ok(ShardTensor::Local(match b {
+        let y = linear_prims::<B>(policy(), vec![xl, self.local.clone()]);
+        let add_bias = |y: Prim<B>| match b {
             Some(b) => {
                 let (y, b) = promote2::<B>(y, b);
                 B::float_add(y, b)
             }
             None => y,
-        }))
+        };
+        // Under sequence parallelism the partial sums are reduce-scattered along the tokens.
+        let dims = y.shape().as_slice().to_vec();
+        Ok(match self.sequence_dim(&dims) {
+            Some(sd) => {
+                let y = reduce_scatter::<B>(y, sd, self.group.as_ref());
+                self.wrap(add_bias(y), Split { dim: sd, blocks: 1 })
+            }
+            None => ShardTensor::Local(add_bias(self.reduce(y))),
+        })
     }
     fn linear_x_backward(
         self: Arc<Self>,
@@ -601,15 +778,16 @@ impl<B: Backend> Deferred<B> for Placed<B> {
                 },
             };
             let (w, dl) = promote2::<B>(self.local.clone(), dl);
-            return Ok(Partial::wrap(
-                B::linear_x_backward(w, dl),
-                self.group.clone(),
-            ));
+            let dx = B::linear_x_backward(w, dl);
+            // A pending sum, reduce-scattered along the tokens under sequence parallelism (the
+            // input was gathered along them).
+            let dims = dx.shape().as_slice().to_vec();
+            let scatter = self.sequence_dim(&dims);
+            return Ok(Partial::wrap_scattered(dx, self.group.clone(), scatter));
         }
-        // Row parallel: dy replicated, dx split like x.
-        let ShardTensor::Local(dl) = dy else {
-            return Err(dy);
-        };
+        // Row parallel: dy replicated (gathered along the sequence under sequence
+        // parallelism), dx split like x.
+        let dl = self.gathered_input(dy, true)?;
         let (w, dl) = promote2::<B>(self.local.clone(), dl);
         Ok(self.wrap(
             B::linear_x_backward(w, dl),
@@ -671,11 +849,24 @@ impl<B: Backend> Deferred<B> for Placed<B> {
     ) -> Result<ShardTensor<B>, ShardTensor<B>> {
         let last = self.shape.num_dims() - 1;
         if self.split.dim != last {
-            return Err(other);
+            // `x` and `dy` split alike along their tokens (a layer applied to a sequence
+            // part): the gradient is the sum of every rank's.
+            return match other.deferred::<Placed<B>>() {
+                Some(p) if p.split == self.split && same_group(&p.group, &self.group) => {
+                    let (x, dy) = match self_is_x {
+                        true => (self.local.clone(), p.local.clone()),
+                        false => (p.local.clone(), self.local.clone()),
+                    };
+                    Ok(Partial::wrap(
+                        weight_grad_prims::<B>(vec![x, dy]),
+                        self.group.clone(),
+                    ))
+                }
+                _ => Err(other),
+            };
         }
-        let ShardTensor::Local(o) = other else {
-            return Err(other);
-        };
+        // The other operand whole (gathered along the sequence under sequence parallelism).
+        let o = self.gathered_input(other, true)?;
         if self_is_x {
             // Row parallel: x split by its last dimension, the gradient by rows of w.
             let g = weight_grad_prims::<B>(vec![self.local.clone(), o]);
@@ -700,37 +891,92 @@ impl<B: Backend> Deferred<B> for Placed<B> {
     }
     fn bias_grad(&self) -> Option<ShardTensor<B>> {
         let last = self.shape.num_dims() - 1;
-        (self.split.dim == last).then(|| {
-            let g = B::linear_bias_backward(self.local.clone());
-            self.wrap(
+        let g = B::linear_bias_backward(self.local.clone());
+        Some(match self.split.dim == last {
+            true => self.wrap(
                 g,
                 Split {
                     dim: 0,
                     ..self.split
                 },
-            )
+            ),
+            // Split along the tokens: every rank's sum is a term of the bias gradient.
+            false => Partial::wrap(g, self.group.clone()),
         })
+    }
+    fn take(
+        &self,
+        dim: usize,
+        indices: &<B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    ) -> Option<ShardTensor<B>> {
+        // Gathering along another dimension than the split one: this rank's indices.
+        if dim == self.split.dim || indices.shape().num_dims() != self.shape.num_dims() {
+            return None;
+        }
+        let idx = indices.shape();
+        if idx[self.split.dim] != self.shape[self.split.dim] {
+            return None;
+        }
+        let idx = part_int::<B>(indices.clone(), self.split, self.group.as_ref());
+        Some(self.same(B::float_gather(dim, self.local.clone(), idx)))
     }
 }
 
 /// A pending sum over the tensor-parallel group: this rank's term. Made by a column-parallel
 /// `linear`'s input gradient, so that the gradients of layers reading one input (q, k and v)
-/// are summed locally by autodiff and all-reduced once, when first read (Megatron's `f`).
+/// are summed locally by autodiff and reduced once, when first read (Megatron's `f`): by an
+/// all-reduce, or under sequence parallelism by a reduce-scatter along the tokens, the ops
+/// reading it then applying to the part.
 #[derive(Debug)]
 pub struct Partial<B: Backend> {
     local: Prim<B>,
     group: Arc<dyn ProcessGroup>,
+    /// Under sequence parallelism: the dimension the sum is reduce-scattered along.
+    scatter: Option<usize>,
     sum: OnceLock<Prim<B>>,
+    part: OnceLock<Arc<Placed<B>>>,
 }
 
 impl<B: Backend> Partial<B> {
     /// The pending sum of every rank's `local`.
     pub fn wrap(local: Prim<B>, group: Arc<dyn ProcessGroup>) -> ShardTensor<B> {
+        Self::wrap_scattered(local, group, None)
+    }
+
+    /// The pending sum of every rank's `local`, reduced as a part along `scatter` if given.
+    pub fn wrap_scattered(
+        local: Prim<B>,
+        group: Arc<dyn ProcessGroup>,
+        scatter: Option<usize>,
+    ) -> ShardTensor<B> {
         ShardTensor::Deferred(Arc::new(Partial {
             local,
             group,
+            scatter,
             sum: OnceLock::new(),
+            part: OnceLock::new(),
         }))
+    }
+
+    fn reduced(&self) -> bool {
+        self.sum.get().is_some() || self.part.get().is_some()
+    }
+
+    /// This rank's part of the sum along the scatter dimension (one reduce-scatter, once).
+    fn placed(&self) -> Option<Arc<Placed<B>>> {
+        let dim = self.scatter?;
+        Some(
+            self.part
+                .get_or_init(|| {
+                    let part = reduce_scatter::<B>(self.local.clone(), dim, self.group.as_ref());
+                    Arc::new(Placed::from_part(
+                        part,
+                        Split { dim, blocks: 1 },
+                        self.group.clone(),
+                    ))
+                })
+                .clone(),
+        )
     }
 }
 
@@ -747,12 +993,58 @@ impl<B: Backend> Deferred<B> for Partial<B> {
     fn value(&self) -> Prim<B> {
         // Summed once, however many ops read it (every rank reads it in the same order). Layout
         // ops read it too: a view of a pending sum would be summed again where it is read.
+        if let Some(p) = self.placed() {
+            return p.value();
+        }
         self.sum
             .get_or_init(|| all_reduce::<B>(self.local.clone(), self.group.as_ref()))
             .clone()
     }
     fn held_bytes(&self) -> usize {
         self.local.shape().num_elements() * self.local.dtype().size()
+    }
+    fn elementwise(&self, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
+        self.placed()?.elementwise(f)
+    }
+    fn layout(&self, op: &ViewOp) -> Option<ShardTensor<B>> {
+        self.placed()?.layout(op)
+    }
+    fn along(&self, dim: usize, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
+        self.placed()?.along(dim, f)
+    }
+    fn sum(&self) -> Option<ShardTensor<B>> {
+        self.placed()?.sum()
+    }
+    fn take(
+        &self,
+        dim: usize,
+        indices: &<B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    ) -> Option<ShardTensor<B>> {
+        self.placed()?.take(dim, indices)
+    }
+    fn matmul(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        self_lhs: bool,
+        f: &Binary<B>,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        match self.placed() {
+            Some(p) => p.matmul(other, self_lhs, f),
+            None => Err(other),
+        }
+    }
+    fn weight_grad(
+        self: Arc<Self>,
+        other: ShardTensor<B>,
+        self_is_x: bool,
+    ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        match self.placed() {
+            Some(p) => p.weight_grad(other, self_is_x),
+            None => Err(other),
+        }
+    }
+    fn bias_grad(&self) -> Option<ShardTensor<B>> {
+        self.placed()?.bias_grad()
     }
     fn binary(
         self: Arc<Self>,
@@ -763,27 +1055,36 @@ impl<B: Backend> Deferred<B> for Partial<B> {
         // A sum or difference of pending sums, or of one and a replicated tensor, is one
         // (autodiff accumulating the gradients of an input read by several layers, and by the
         // residual connection).
-        if !matches!(current_op(), "float_add" | "float_sub") || self.sum.get().is_some() {
-            return Err(other);
-        }
+        let linear = matches!(current_op(), "float_add" | "float_sub") && !self.reduced();
         let o = match other {
             // A replicated term joins the sum once: rank 0 adds it, the others add zeros.
-            ShardTensor::Local(o) if self.group.rank() == 0 => o,
-            ShardTensor::Local(o) => {
+            ShardTensor::Local(o) if linear && self.group.rank() == 0 => Some(o),
+            ShardTensor::Local(o) if linear => {
                 let zeros = B::float_zeros(o.shape(), &B::float_device(&o), o.dtype().into());
                 drop(o);
-                zeros
+                Some(zeros)
             }
             other => match other.deferred::<Partial<B>>() {
-                Some(o) if o.sum.get().is_none() && same_group(&o.group, &self.group) => {
-                    o.local.clone()
+                Some(o)
+                    if linear
+                        && !o.reduced()
+                        && o.scatter == self.scatter
+                        && same_group(&o.group, &self.group) =>
+                {
+                    Some(o.local.clone())
                 }
-                _ => return Err(other),
+                // Any other op on a sum to be scattered: on this rank's part of it.
+                _ => {
+                    return match self.placed() {
+                        Some(p) => p.binary(other, self_lhs, f),
+                        None => Err(other),
+                    };
+                }
             },
         };
-        let a = self.local.clone();
+        let (a, o) = (self.local.clone(), o.expect("an operand"));
         let y = if self_lhs { f(a, o) } else { f(o, a) };
-        Ok(Partial::wrap(y, self.group.clone()))
+        Ok(Partial::wrap_scattered(y, self.group.clone(), self.scatter))
     }
 }
 

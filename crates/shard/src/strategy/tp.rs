@@ -73,6 +73,11 @@ impl std::str::FromStr for Style {
 pub struct TpPlan {
     /// The rules, in order.
     pub rules: Vec<(String, Style)>,
+    /// Megatron's sequence parallelism: between the split layers (norms, residuals, dropout)
+    /// activations are split along the tokens over the group, a row-parallel layer's output is
+    /// reduce-scattered along them and a column-parallel layer's input all-gathered (the
+    /// backward likewise), instead of all-reduced.
+    pub sequence_parallel: bool,
 }
 
 impl TpPlan {
@@ -104,6 +109,7 @@ impl TpPlan {
     pub fn from_pairs(pairs: &[(&str, Style)]) -> Self {
         TpPlan {
             rules: pairs.iter().map(|(p, s)| (p.to_string(), *s)).collect(),
+            sequence_parallel: false,
         }
     }
 
@@ -126,7 +132,16 @@ impl TpPlan {
                 Ok((p.trim().to_string(), style.trim().parse()?))
             })
             .collect::<Result<_, ShardError>>()?;
-        Ok(TpPlan { rules })
+        Ok(TpPlan {
+            rules,
+            sequence_parallel: false,
+        })
+    }
+
+    /// The plan with sequence parallelism on or off.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
     }
 
     fn style(&self, module_path: &str) -> Option<(usize, Style)> {
@@ -273,9 +288,11 @@ where
             .split
             .push((path.clone(), dims, split.dim, split.blocks));
         let group = self.group.clone();
+        let sequence = self.plan.sequence_parallel;
         let place = move |t: Tensor<AB, D>| {
             replace_primitive::<B, AB, D>(t, |t: ShardTensor<B>| {
-                ShardTensor::Deferred(Arc::new(Placed::from_whole(local(t), split, group.clone())))
+                let part = Placed::from_whole(local(t), split, group.clone());
+                ShardTensor::Deferred(Arc::new(part.with_sequence(sequence)))
             })
         };
         let (id, tensor, mapper) = param.consume();

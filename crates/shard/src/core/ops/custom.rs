@@ -2,11 +2,12 @@
 
 use super::policy::{local, record, record_compute_with, view};
 use crate::core::backend::Shard;
-use crate::core::dtype::{Precision, lowered, promote, widen};
+use crate::core::dtype::{Precision, lowered, promote, promote2, widen};
 use crate::core::host::{Host, collective_failed, read, write};
 use crate::core::scope;
 use crate::core::tensor::{
-    Binary, Prim, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad, deferring_weight_grads,
+    Binary, Elementwise, Prim, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad,
+    deferring_weight_grads,
 };
 use burn_backend::ops::*;
 use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
@@ -438,6 +439,23 @@ pub(crate) fn linear<B: Backend>(
         },
         _ => (x, bias),
     };
+    // A deferred input with a whole weight and bias: `linear` works along the last dimension
+    // (a tensor-parallel part split along the tokens applies it to its part).
+    if let (ShardTensor::Deferred(d), ShardTensor::Local(w)) = (&x, &weight)
+        && matches!(bias, None | Some(ShardTensor::Local(_)))
+    {
+        let last = d.shape().num_dims() - 1;
+        let (w, b) = (w.clone(), bias.clone().map(local));
+        let policy = scope::precision();
+        let f: Elementwise<B> = Arc::new(move |x| {
+            let mut inputs = vec![x, w.clone()];
+            inputs.extend(b.clone());
+            linear_prims::<B>(policy, inputs)
+        });
+        if let Some(y) = d.along(last, &f) {
+            return y;
+        }
+    }
     let mut inputs = vec![x, weight];
     inputs.extend(bias);
     record_compute_with(inputs, linear_prims::<B>)
@@ -467,23 +485,22 @@ pub(crate) fn float_matmul<B: Backend>(
     lhs: FloatTensor<Shard<B>>,
     rhs: FloatTensor<Shard<B>>,
 ) -> FloatTensor<Shard<B>> {
-    let hooked = match (&lhs, &rhs) {
-        (ShardTensor::Deferred(d), _) => Some((d.clone(), true)),
-        (_, ShardTensor::Deferred(d)) => Some((d.clone(), false)),
-        _ => None,
+    // The first operand asked first, then the second.
+    let policy = scope::precision();
+    let f: Binary<B> = Arc::new(move |a, b| matmul_prims::<B>(policy, a, b));
+    let (lhs, rhs) = match lhs {
+        ShardTensor::Deferred(d) => match d.clone().matmul(rhs, true, &f) {
+            Ok(y) => return y,
+            Err(rhs) => (ShardTensor::Deferred(d), rhs),
+        },
+        lhs => (lhs, rhs),
     };
-    let (lhs, rhs) = match hooked {
-        Some((d, self_lhs)) => {
-            let policy = scope::precision();
-            let f: Binary<B> = Arc::new(move |a, b| matmul_prims::<B>(policy, a, b));
-            let other = if self_lhs { rhs } else { lhs };
-            match d.clone().matmul(other, self_lhs, &f) {
-                Ok(y) => return y,
-                Err(other) if self_lhs => (ShardTensor::Deferred(d), other),
-                Err(other) => (other, ShardTensor::Deferred(d)),
-            }
-        }
-        None => (lhs, rhs),
+    let (lhs, rhs) = match rhs {
+        ShardTensor::Deferred(d) => match d.clone().matmul(lhs, false, &f) {
+            Ok(y) => return y,
+            Err(lhs) => (lhs, ShardTensor::Deferred(d)),
+        },
+        rhs => (lhs, rhs),
     };
     record_compute_with(vec![lhs, rhs], move |policy, t| {
         let mut t = t.into_iter();
@@ -526,6 +543,23 @@ pub(crate) fn float_slice_assign<B: Backend>(
     })
 }
 
+/// `gather` along `dim`: a deferred value may take its own elements (a tensor-parallel part
+/// split along another dimension).
+pub(crate) fn float_gather<B: Backend>(
+    dim: usize,
+    tensor: FloatTensor<Shard<B>>,
+    indices: IntTensor<B>,
+) -> FloatTensor<Shard<B>> {
+    if let ShardTensor::Deferred(d) = &tensor
+        && let Some(t) = d.take(dim, &indices)
+    {
+        return t;
+    }
+    record(vec![tensor], move |t| {
+        B::float_gather(dim, t.into_iter().next().expect("input"), indices.clone())
+    })
+}
+
 /// `Linear`'s bias gradient: a deferred output gradient may compute it without being formed.
 pub(crate) fn linear_bias_backward<B: Backend>(
     output_grad: FloatTensor<Shard<B>>,
@@ -552,6 +586,18 @@ pub(crate) fn linear_x_backward<B: Backend>(
         },
         _ => output_grad,
     };
+    // A whole weight and a deferred gradient: along the last dimension, as `linear`.
+    if let (ShardTensor::Local(w), ShardTensor::Deferred(d)) = (&weight, &output_grad) {
+        let last = d.shape().num_dims() - 1;
+        let w = w.clone();
+        let f: Elementwise<B> = Arc::new(move |dy| {
+            let (w, dy) = promote2::<B>(w.clone(), dy);
+            B::linear_x_backward(w, dy)
+        });
+        if let Some(dx) = d.along(last, &f) {
+            return dx;
+        }
+    }
     record(vec![weight, output_grad], move |t| {
         let mut t = t.into_iter();
         B::linear_x_backward(t.next().expect("input"), t.next().expect("input"))
@@ -568,17 +614,21 @@ pub(crate) fn linear_weight_backward<B: Backend>(
     if deferring_weight_grads() {
         return ShardTensor::Deferred(Arc::new(WeightGrad { x, dy: output_grad }));
     }
-    // A deferred operand may compute it without being formed (a tensor-parallel part).
-    let (x, output_grad) = match (x, output_grad) {
-        (ShardTensor::Deferred(d), dy) => match d.clone().weight_grad(dy, true) {
+    // A deferred operand may compute it without being formed (a tensor-parallel part): `x`
+    // asked first, then `dy`.
+    let (x, output_grad) = match x {
+        ShardTensor::Deferred(d) => match d.clone().weight_grad(output_grad, true) {
             Ok(g) => return g,
             Err(dy) => (ShardTensor::Deferred(d), dy),
         },
-        (x, ShardTensor::Deferred(d)) => match d.clone().weight_grad(x, false) {
+        x => (x, output_grad),
+    };
+    let (x, output_grad) = match output_grad {
+        ShardTensor::Deferred(d) => match d.clone().weight_grad(x, false) {
             Ok(g) => return g,
             Err(x) => (x, ShardTensor::Deferred(d)),
         },
-        xd => xd,
+        dy => (x, dy),
     };
     record(vec![x, output_grad], move |t| weight_grad_prims::<B>(t))
 }

@@ -186,10 +186,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         op_name("float_gather");
-        record(vec![tensor], move |t| {
-            let mut t = t.into_iter();
-            B::float_gather(dim.clone(), t.next().expect("input"), indices.clone())
-        })
+        custom::float_gather::<B>(dim, tensor, indices)
     }
     fn float_scatter_add(
         dim: usize,

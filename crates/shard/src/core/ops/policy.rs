@@ -86,24 +86,26 @@ pub(crate) fn binary<B: Backend>(
         let (a, b) = promote2::<B>(a, b);
         f(a, b)
     };
-    // A deferred operand may compute the op without being formed (a tensor-parallel part).
-    let (a, b) = match (a, b) {
-        (ShardTensor::Deferred(d), b) => {
-            let f: Binary<B> = Arc::new(f);
-            match d.clone().binary(b, true, &f) {
+    // A deferred operand may compute the op without being formed (a tensor-parallel part):
+    // the first asked first, then the second.
+    if matches!(a, ShardTensor::Deferred(_)) || matches!(b, ShardTensor::Deferred(_)) {
+        let f: Binary<B> = Arc::new(f);
+        let (a, b) = match a {
+            ShardTensor::Deferred(d) => match d.clone().binary(b, true, &f) {
                 Ok(t) => return t,
-                Err(b) => return binary_whole(ShardTensor::Deferred(d), b, f),
-            }
-        }
-        (a, ShardTensor::Deferred(d)) => {
-            let f: Binary<B> = Arc::new(f);
-            match d.clone().binary(a, false, &f) {
+                Err(b) => (ShardTensor::Deferred(d), b),
+            },
+            a => (a, b),
+        };
+        let (a, b) = match b {
+            ShardTensor::Deferred(d) => match d.clone().binary(a, false, &f) {
                 Ok(t) => return t,
-                Err(a) => return binary_whole(a, ShardTensor::Deferred(d), f),
-            }
-        }
-        ab => ab,
-    };
+                Err(a) => (a, ShardTensor::Deferred(d)),
+            },
+            b => (a, b),
+        };
+        return binary_whole(a, b, f);
+    }
     match (a, b) {
         (ShardTensor::Sharded(a), ShardTensor::Sharded(b)) if a.same_layout(&b) => {
             ShardTensor::Sharded(a.map(|a| f(a, b.shard)))
