@@ -37,6 +37,10 @@ pub struct TrainArgs {
     /// (c_attn=colwise/3,c_fc=colwise,c_proj=rowwise); default: the model's own.
     #[arg(long)]
     tp_plan: Option<String>,
+    /// parallel.sequence_parallel: with --tp, Megatron's sequence parallelism (norm and
+    /// residual activations split along the tokens over the tp ranks).
+    #[arg(long)]
+    sequence_parallel: bool,
     /// parallel.microbatches: micro-batches per step of a pipeline.
     #[arg(long)]
     microbatches: Option<usize>,
@@ -110,6 +114,10 @@ impl TrainArgs {
         put("parallel.pp", self.pp.map(|v| v.to_string()));
         put("parallel.tp", self.tp.map(|v| v.to_string()));
         put("parallel.tp_plan", self.tp_plan.clone().map(quote));
+        put(
+            "parallel.sequence_parallel",
+            self.sequence_parallel.then(|| "true".to_string()),
+        );
         put(
             "parallel.microbatches",
             self.microbatches.map(|v| v.to_string()),

@@ -27,6 +27,9 @@ pub struct VerifyHfArgs {
     /// own plan; with --strategy ddp): ranks = data-parallel ranks x tp.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// With --tp: Megatron's sequence parallelism.
+    #[arg(long)]
+    pub sequence_parallel: bool,
 }
 
 /// Prints one line per check and a summary; returns the exit code: 0 when every quantity is within
@@ -61,7 +64,10 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
                 if let Err(e) = config.check_tp(tp) {
                     bail!("--tp {tp}: {e}");
                 }
-                Some(kiln::shard::TpPlan::parse(config.tp_plan())?)
+                Some(
+                    kiln::shard::TpPlan::parse(config.tp_plan())?
+                        .with_sequence_parallel(args.sequence_parallel),
+                )
             }
         };
         let reports = kiln::shard::threads::spawn_ranks(args.ranks, |g: LocalGroup| {
@@ -89,9 +95,10 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
             let s = &reports[0].1;
             tp_line = Some(format!(
                 "tensor parallel (rank 0, the whole verification): {} all-reduces of partial \
-                 sums ({} bytes); split tensors formed whole by op: {:?} (reading weights and \
+                 sums ({} bytes), {} all-gathers and {} reduce-scatters of sequence \
+                 parallelism; split tensors formed whole by op: {:?} (reading weights and \
                  gradients to compare them is float_into_data)",
-                s.all_reduces, s.all_reduce_bytes, s.gathers
+                s.all_reduces, s.all_reduce_bytes, s.all_gathers, s.reduce_scatters, s.gathers
             ));
         }
         // Every rank computed every quantity; report the worst rank's value of each.
@@ -107,7 +114,15 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
         args.ranks,
         match args.tp {
             1 => String::new(),
-            tp => format!(" ({} data-parallel x tp {tp})", args.ranks / tp),
+            tp => format!(
+                " ({} data-parallel x tp {tp}{})",
+                args.ranks / tp,
+                if args.sequence_parallel {
+                    ", sequence parallel"
+                } else {
+                    ""
+                }
+            ),
         }
     );
     let width = report

@@ -30,6 +30,9 @@ pub struct VerifyLoraArgs {
     /// ddp): ranks = data-parallel ranks x tp.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// With --tp: Megatron's sequence parallelism.
+    #[arg(long)]
+    pub sequence_parallel: bool,
 }
 
 fn checks<M>(
@@ -124,7 +127,10 @@ pub fn verify_lora(args: &VerifyLoraArgs) -> Result<i32> {
             if let Err(e) = config.check_tp(tp) {
                 bail!("--tp {tp}: {e}");
             }
-            Some((tp, TpPlan::parse(config.tp_plan())?))
+            Some((
+                tp,
+                TpPlan::parse(config.tp_plan())?.with_sequence_parallel(args.sequence_parallel),
+            ))
         }
     };
     let checks = match kind.as_str() {

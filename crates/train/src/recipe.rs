@@ -358,6 +358,11 @@ pub struct ParallelRecipe {
     /// run of characters). Empty: the model's own (Megatron's split of GPT-2 or Llama).
     #[serde(default)]
     pub tp_plan: String,
+    /// Megatron's sequence parallelism with `tp > 1`: between the split layers (norms,
+    /// residuals) activations are split along the tokens over the tp ranks, dividing their
+    /// memory by tp; the all-reduces become all-gathers and reduce-scatters.
+    #[serde(default)]
+    pub sequence_parallel: bool,
     /// Micro-batches per step of a pipeline (each data-parallel rank's rows are cut into them).
     #[serde(default = "one")]
     pub microbatches: usize,
@@ -418,6 +423,7 @@ impl Default for ParallelRecipe {
             pp: 1,
             tp: 1,
             tp_plan: String::new(),
+            sequence_parallel: false,
             microbatches: 1,
             schedule: one_f_one_b(),
             split: Split::Balanced,

@@ -270,9 +270,20 @@ impl RunInfo {
                 lines.push(bubble_line(b));
             }
             if let Some(tp) = &s.tensor_parallel {
+                let sp = match tp.all_gathers + tp.reduce_scatters {
+                    0 => String::new(),
+                    _ => format!(
+                        ", {} all-gathers ({} bytes) and {} reduce-scatters ({} bytes) of \
+                         sequence parallelism",
+                        tp.all_gathers,
+                        tp.all_gather_bytes,
+                        tp.reduce_scatters,
+                        tp.reduce_scatter_bytes
+                    ),
+                };
                 lines.push(format!(
                     "tensor parallel, rank 0's last step: {} all-reduces of partial sums ({} \
-                     bytes); {} split tensors formed whole{}",
+                     bytes){sp}; {} split tensors formed whole{}",
                     tp.all_reduces,
                     tp.all_reduce_bytes,
                     tp.total_gathers(),

@@ -197,7 +197,9 @@ pub fn tp_plan(recipe: &Recipe, config: &ModelConfig) -> Result<TpPlan> {
         "" => config.tp_plan(),
         plan => plan,
     };
-    TpPlan::parse(text).map_err(|e| TrainError::Recipe(format!("parallel.tp_plan: {e}")))
+    Ok(TpPlan::parse(text)
+        .map_err(|e| TrainError::Recipe(format!("parallel.tp_plan: {e}")))?
+        .with_sequence_parallel(p.sequence_parallel))
 }
 
 /// The model a run trains.
@@ -351,7 +353,11 @@ where
         let mut info = trainer.info(params, trains, resume_from.as_ref());
         info.tensor_parallel = tp.map(|r| {
             format!(
-                "tensor parallel: {} ranks per layer ({} x {} x {} = pp x dp x tp); {r}; {}",
+                "tensor parallel{}: {} ranks per layer ({} x {} x {} = pp x dp x tp); {r}; {}",
+                match recipe.parallel.sequence_parallel {
+                    true => " with sequence parallelism",
+                    false => "",
+                },
                 recipe.parallel.tp,
                 recipe.parallel.pp,
                 trainer.mesh.dp.world_size(),
