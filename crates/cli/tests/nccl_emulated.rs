@@ -116,7 +116,7 @@ fn training_and_pipelines_on_emulated_nccl_equal_one_machine() {
     let tmp = tempfile::tempdir().unwrap();
     // (name, ranks, the job's flags, the one-machine job's flags)
     let two_layers: &[&str] = &["--set", "model.layers=2"];
-    let cases: [(&str, usize, &[&str], &[&str]); 4] = [
+    let cases: [(&str, usize, &[&str], &[&str]); 6] = [
         (
             "zero3",
             2,
@@ -169,6 +169,11 @@ fn training_and_pipelines_on_emulated_nccl_equal_one_machine() {
             ],
             two_layers,
         ),
+        // Tensor parallelism: the tp group's all-reduces, and with sequence parallelism its
+        // all-gathers and reduce-scatters, on a communicator of its own beside the
+        // data-parallel one.
+        ("tp2-dp2", 4, &["--tp", "2"], &[]),
+        ("tp2-sp", 2, &["--tp", "2", "--sequence-parallel"], &[]),
     ];
     for (name, ranks, job, reference) in cases {
         let under = tmp.path().join(format!("{name}-nccl"));
@@ -179,6 +184,12 @@ fn training_and_pipelines_on_emulated_nccl_equal_one_machine() {
         assert!(t.contains(&format!("on {ranks} rank(s)")), "{name}:\n{t}");
         if name.starts_with("pp") {
             assert!(t.contains("pipeline bubble: "), "{name}:\n{t}");
+        }
+        if name.starts_with("tp") {
+            assert!(
+                t.contains("0 split tensors formed whole") || t.contains("embedding_backward"),
+                "{name}:\n{t}"
+            );
         }
 
         let here = tmp.path().join(format!("{name}-here"));
