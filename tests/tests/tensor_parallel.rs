@@ -9,7 +9,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use kiln::shard::check::params;
 use kiln::shard::tp::{TpStats, reset_stats, stats};
-use kiln::shard::{TpPlan, tensor_parallel};
+use kiln::shard::{TpPlan, TpStyle, tensor_parallel};
 use kiln::{Flex, Train};
 use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
 use kiln_model::causal_lm_loss;
@@ -114,6 +114,25 @@ fn check<M: AutodiffModule<B> + Clone + Send>(
                 reference.losses
             );
             let bytes = 2 * LAYERS * BATCH * SEQ * n_embd * 4;
+            if plan.rules.iter().any(|(_, s)| *s == TpStyle::Vocab) {
+                // Vocabulary-parallel embedding and head, and the loss on the split logits:
+                // nothing formed whole.
+                let (f, b) = (&run.forward, &run.backward);
+                assert_eq!(
+                    (f.total_gathers(), b.total_gathers()),
+                    (0, 0),
+                    "{name} tp {tp} vocab rank {rank}: forward {f:?}, backward {b:?}"
+                );
+                if rank == 0 {
+                    println!(
+                        "{name} tp {tp} with a vocabulary-parallel embedding and loss: largest \
+                         relative error {worst:e}; forward {} all-reduces ({} bytes), backward \
+                         {} ({} bytes); 0 tensors formed whole",
+                        f.all_reduces, f.all_reduce_bytes, b.all_reduces, b.all_reduce_bytes
+                    );
+                }
+                continue;
+            }
             if plan.sequence_parallel {
                 // Megatron's sequence parallelism: per block, 2 all-gathers and 2
                 // reduce-scatters forward; backward 2 reduce-scatters and 4 all-gathers (the
@@ -193,6 +212,15 @@ fn gpt2_under_its_default_plan_equals_one_device() {
             32,
         );
     }
+    let mut vocab = TpPlan::gpt2();
+    vocab.rules.push(("wte".into(), TpStyle::Vocab));
+    check(
+        "GPT-2",
+        model,
+        |m: &kiln_gpt2::Gpt2<B>, x| m.forward(x),
+        vocab,
+        32,
+    );
 }
 
 #[test]
@@ -229,4 +257,16 @@ fn llama_under_its_default_plan_equals_one_device() {
             32,
         );
     }
+    let mut vocab = TpPlan::llama();
+    vocab.rules.push(("embed_tokens".into(), TpStyle::Vocab));
+    vocab
+        .rules
+        .push(("lm_head".into(), TpStyle::Colwise { blocks: 1 }));
+    check(
+        "Llama",
+        model,
+        |m: &kiln_llama::Llama<B>, x| m.forward(x),
+        vocab,
+        32,
+    );
 }

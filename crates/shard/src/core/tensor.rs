@@ -111,6 +111,21 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
     ) -> Result<ShardTensor<B>, ShardTensor<B>> {
         Err(other)
     }
+    /// `embedding(self, indices)` (`self` the table), computed without forming the value.
+    fn embed(
+        &self,
+        _indices: &<B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    ) -> Option<ShardTensor<B>> {
+        None
+    }
+    /// `embedding_backward(self, dy, indices)` (`self` the table), computed without forming it.
+    fn embed_grad(
+        &self,
+        _dy: &ShardTensor<B>,
+        _indices: &<B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    ) -> Option<ShardTensor<B>> {
+        None
+    }
     /// `gather(dim, self, indices)`, computed without forming the value.
     fn take(
         &self,

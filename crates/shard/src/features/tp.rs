@@ -300,6 +300,35 @@ enum Why {
     Sequence,
 }
 
+/// Indices into a dimension split in plain chunks, as this rank's: the local index (clamped
+/// into its chunk) and, as floats of `dtype`, 1 where the index is this rank's and 0 elsewhere.
+fn own_indices<B: Backend>(
+    indices: <B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    chunk: usize,
+    rank: usize,
+    dtype: DType,
+) -> (
+    <B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    Prim<B>,
+) {
+    let (start, end) = ((rank * chunk) as f64, ((rank + 1) * chunk) as f64);
+    let local = B::int_sub_scalar(indices.clone(), ((rank * chunk) as i64).into());
+    let local = B::int_clamp(local, 0i64.into(), (chunk as i64 - 1).into());
+    // For integers: 1 where start <= i < end, from clamps alone.
+    let f = B::int_into_float(indices, dtype.into());
+    let above = B::float_clamp(
+        B::float_add_scalar(f.clone(), (1.0 - start).into()),
+        0f64.into(),
+        1f64.into(),
+    );
+    let below = B::float_clamp(
+        B::float_mul_scalar(B::float_sub_scalar(f, end.into()), (-1f64).into()),
+        0f64.into(),
+        1f64.into(),
+    );
+    (local, B::float_mul(above, below))
+}
+
 /// Rank `group.rank()`'s part of the whole integer tensor `t` (indices), as [`part`].
 fn part_int<B: Backend>(
     t: <B as burn_backend::BackendTypes>::IntTensorPrimitive,
@@ -415,11 +444,16 @@ fn reduce_scatter<B: Backend>(t: Prim<B>, dim: usize, group: &dyn ProcessGroup) 
 
 /// The sum of every rank's `t` over `group`.
 fn all_reduce<B: Backend>(t: Prim<B>, group: &dyn ProcessGroup) -> Prim<B> {
+    all_reduce_op::<B>(t, group, ReduceOp::Sum)
+}
+
+/// `op` over every rank's `t` (a sum, or the maximum of a vocabulary-split row).
+fn all_reduce_op<B: Backend>(t: Prim<B>, group: &dyn ProcessGroup, op: ReduceOp) -> Prim<B> {
     let shape = t.shape();
     let device = B::float_device(&t);
     let dtype = t.dtype();
     let mut host = with_kind(MemKind::Comm, || Host::from_data(read::<B>(t)));
-    waiting(|| group.all_reduce(host.buf_mut(), ReduceOp::Sum))
+    waiting(|| group.all_reduce(host.buf_mut(), op))
         .unwrap_or_else(|e| collective_failed("all-reduce", &shape, group, e));
     STATS.with(|s| {
         let mut s = s.borrow_mut();
@@ -613,9 +647,19 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         if dim != self.split.dim {
             return Some(self.same(f(self.local.clone())));
         }
-        // A sum along the split dimension: every rank's is a term (a pending sum).
-        (current_op() == "float_sum_dim")
-            .then(|| Partial::wrap(f(self.local.clone()), self.group.clone()))
+        // Along the split dimension: a sum's terms are every rank's (a pending sum); a maximum
+        // or minimum is every rank's, reduced (a vocabulary-split row's, for its softmax).
+        let op = match current_op() {
+            "float_sum_dim" => None,
+            "float_max_dim" => Some(ReduceOp::Max),
+            "float_min_dim" => Some(ReduceOp::Min),
+            _ => return None,
+        };
+        let local = f(self.local.clone());
+        Some(match op {
+            None => Partial::wrap(local, self.group.clone()),
+            Some(op) => ShardTensor::Local(all_reduce_op::<B>(local, self.group.as_ref(), op)),
+        })
     }
     fn binary(
         self: Arc<Self>,
@@ -904,14 +948,79 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             false => Partial::wrap(g, self.group.clone()),
         })
     }
+    fn embed(
+        &self,
+        indices: &<B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    ) -> Option<ShardTensor<B>> {
+        // A vocabulary-parallel table (rows split): this rank's rows looked up, the others'
+        // zero, a pending sum (Megatron's VocabParallelEmbedding).
+        if self.shape.num_dims() != 2 || self.split != (Split { dim: 0, blocks: 1 }) {
+            return None;
+        }
+        let chunk = self.local.shape()[0];
+        let (local, mask) = own_indices::<B>(
+            indices.clone(),
+            chunk,
+            self.group.rank(),
+            self.local.dtype(),
+        );
+        let rows = B::embedding(self.local.clone(), local);
+        let mut dims = mask.shape().as_slice().to_vec();
+        dims.push(1);
+        let mask = B::float_reshape(mask, Shape::from(dims));
+        Some(Partial::wrap(B::float_mul(rows, mask), self.group.clone()))
+    }
+    fn embed_grad(
+        &self,
+        dy: &ShardTensor<B>,
+        indices: &<B as burn_backend::BackendTypes>::IntTensorPrimitive,
+    ) -> Option<ShardTensor<B>> {
+        if self.shape.num_dims() != 2 || self.split != (Split { dim: 0, blocks: 1 }) {
+            return None;
+        }
+        let chunk = self.local.shape()[0];
+        let dy = dy.clone().into_whole();
+        let (local, mask) = own_indices::<B>(indices.clone(), chunk, self.group.rank(), dy.dtype());
+        let mut dims = mask.shape().as_slice().to_vec();
+        dims.push(1);
+        let dy = B::float_mul(dy, B::float_reshape(mask, Shape::from(dims)));
+        let g = B::embedding_backward(self.local.clone(), dy, local);
+        Some(self.same_with(g, false))
+    }
     fn take(
         &self,
         dim: usize,
         indices: &<B as burn_backend::BackendTypes>::IntTensorPrimitive,
     ) -> Option<ShardTensor<B>> {
-        // Gathering along another dimension than the split one: this rank's indices.
-        if dim == self.split.dim || indices.shape().num_dims() != self.shape.num_dims() {
+        if indices.shape().num_dims() != self.shape.num_dims() {
             return None;
+        }
+        if dim == self.split.dim {
+            // Gathering along the split dimension (the labels' log-probabilities of a
+            // vocabulary-split head: loss parallel): this rank's hits, the others zero, a
+            // pending sum.
+            if self.split.blocks != 1
+                || indices
+                    .shape()
+                    .as_slice()
+                    .iter()
+                    .enumerate()
+                    .any(|(i, &n)| i != dim && n != self.shape[i])
+            {
+                return None;
+            }
+            let chunk = self.local.shape()[dim];
+            let (local, mask) = own_indices::<B>(
+                indices.clone(),
+                chunk,
+                self.group.rank(),
+                self.local.dtype(),
+            );
+            let picked = B::float_gather(dim, self.local.clone(), local);
+            return Some(Partial::wrap(
+                B::float_mul(picked, mask),
+                self.group.clone(),
+            ));
         }
         let idx = indices.shape();
         if idx[self.split.dim] != self.shape[self.split.dim] {

@@ -32,6 +32,10 @@ pub enum Style {
     },
     /// By input features (the weight's rows); the bias is added once, after the all-reduce.
     Rowwise,
+    /// An `Embedding`'s table by rows (the vocabulary: Megatron's vocabulary-parallel
+    /// embedding); a head tied to it is then split by the vocabulary too, and the loss over it
+    /// runs on the split logits (loss parallel).
+    Vocab,
 }
 
 impl std::fmt::Display for Style {
@@ -40,6 +44,7 @@ impl std::fmt::Display for Style {
             Style::Colwise { blocks: 1 } => write!(f, "colwise"),
             Style::Colwise { blocks } => write!(f, "colwise/{blocks}"),
             Style::Rowwise => write!(f, "rowwise"),
+            Style::Vocab => write!(f, "vocab"),
         }
     }
 }
@@ -49,12 +54,14 @@ impl std::str::FromStr for Style {
     fn from_str(s: &str) -> Result<Self, ShardError> {
         let bad = || {
             ShardError::Config(format!(
-                "tensor-parallel style {s:?}: expected colwise, colwise/<blocks> or rowwise"
+                "tensor-parallel style {s:?}: expected colwise, colwise/<blocks>, rowwise or \
+                 vocab"
             ))
         };
         match s {
             "colwise" => Ok(Style::Colwise { blocks: 1 }),
             "rowwise" => Ok(Style::Rowwise),
+            "vocab" => Ok(Style::Vocab),
             _ => {
                 let blocks = s.strip_prefix("colwise/").ok_or_else(bad)?;
                 match blocks.parse::<usize>() {
@@ -210,7 +217,7 @@ where
     }
     if let Some(i) = mapper.used.iter().position(|u| !u) {
         return Err(ShardError::Config(format!(
-            "tensor-parallel plan pattern {:?} matches no Linear layer of the model",
+            "tensor-parallel plan pattern {:?} matches no layer of the model",
             plan.rules[i].0
         )));
     }
@@ -253,11 +260,19 @@ where
             return param;
         };
         self.used[rule] = true;
-        if container != "Struct:Linear" || !matches!(field, "weight" | "bias") {
+        let fits = match style {
+            Style::Vocab => container == "Struct:Embedding" && field == "weight",
+            _ => container == "Struct:Linear" && matches!(field, "weight" | "bias"),
+        };
+        if !fits {
             self.error.get_or_insert(ShardError::Config(format!(
-                "tensor-parallel plan pattern {:?} matches {path} (in {container}): only Linear \
-                 layers can be split",
-                self.plan.rules[rule].0
+                "tensor-parallel plan pattern {:?} ({style}) matches {path} (in {container}): \
+                 {} can be split so",
+                self.plan.rules[rule].0,
+                match style {
+                    Style::Vocab => "only an Embedding's table",
+                    _ => "only Linear layers",
+                }
             )));
             return param;
         }
@@ -266,6 +281,7 @@ where
             (Style::Colwise { blocks }, _) => Some(Split { dim: 0, blocks }),
             (Style::Rowwise, "weight") => Some(Split { dim: 0, blocks: 1 }),
             (Style::Rowwise, _) => None,
+            (Style::Vocab, _) => Some(Split { dim: 0, blocks: 1 }),
         };
         let Some(split) = split else {
             self.report.replicated_elements += dims.iter().product::<usize>();

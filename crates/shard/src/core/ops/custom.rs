@@ -282,11 +282,31 @@ pub(crate) fn float_min<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTenso
 
 /// The embedding gradient needs only the weight's shape, device and dtype: a sharded weight
 /// is not gathered for it.
+/// `embedding`: a deferred table may look up its own rows (a vocabulary-parallel part).
+pub(crate) fn embedding<B: Backend>(
+    weights: FloatTensor<Shard<B>>,
+    indices: IntTensor<B>,
+) -> FloatTensor<Shard<B>> {
+    if let ShardTensor::Deferred(d) = &weights
+        && let Some(t) = d.embed(&indices)
+    {
+        return t;
+    }
+    record(vec![weights], move |t| {
+        B::embedding(t.into_iter().next().expect("input"), indices.clone())
+    })
+}
+
 pub(crate) fn embedding_backward<B: Backend>(
     weights: FloatTensor<Shard<B>>,
     output_grad: FloatTensor<Shard<B>>,
     indices: IntTensor<B>,
 ) -> FloatTensor<Shard<B>> {
+    if let ShardTensor::Deferred(d) = &weights
+        && let Some(g) = d.embed_grad(&output_grad, &indices)
+    {
+        return g;
+    }
     let weights = match weights {
         ShardTensor::Local(w) => w,
         t => {
