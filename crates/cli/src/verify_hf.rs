@@ -24,7 +24,7 @@ pub struct VerifyHfArgs {
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
     /// Tensor-parallel ranks among them (Megatron's split of the model's layers, the model's
-    /// own plan; with --strategy ddp): ranks = data-parallel ranks x tp.
+    /// own plan; with --strategy ddp or zero3): ranks = data-parallel ranks x tp.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     /// With --tp: Megatron's sequence parallelism.

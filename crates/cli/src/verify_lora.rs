@@ -118,10 +118,14 @@ pub fn verify_lora(args: &VerifyLoraArgs) -> Result<i32> {
     let tp = match args.tp {
         0 => bail!("--tp must be at least 1"),
         1 => None,
-        tp if strategy != Some(Strategy::Ddp) || !args.ranks.is_multiple_of(tp) => bail!(
-            "--tp {tp} needs --strategy ddp and --ranks a multiple of it (ranks = data-parallel \
-             ranks x tp)"
-        ),
+        tp if !matches!(strategy, Some(Strategy::Ddp | Strategy::Zero3))
+            || !args.ranks.is_multiple_of(tp) =>
+        {
+            bail!(
+                "--tp {tp} needs --strategy ddp or zero3 and --ranks a multiple of it (ranks = \
+                 data-parallel ranks x tp)"
+            )
+        }
         tp => {
             let config = kiln_zoo::ModelConfig::from_dir(args.dir.join("base"))?;
             if let Err(e) = config.check_tp(tp) {

@@ -448,10 +448,10 @@ where
         _ => (None, model),
     };
     // 3. Tensor parallelism: checked here, applied after sharding registered the parameters.
-    if mesh.shape.tp > 1 && plan.shard.strategy != Strategy::Ddp {
+    if mesh.shape.tp > 1 && !matches!(plan.shard.strategy, Strategy::Ddp | Strategy::Zero3) {
         return Err(ParallelError::Plan(format!(
-            "tensor parallelism (tp = {}) composes with the ddp strategy (and pipeline stages) \
-             in this version, not with {}",
+            "tensor parallelism (tp = {}) composes with the ddp and zero3 strategies (and \
+             pipeline stages) in this version, not with {}",
             mesh.shape.tp, plan.shard.strategy
         )));
     }

@@ -633,10 +633,11 @@ impl Recipe {
                 p.pp
             );
         }
-        if p.tp > 1 && p.strategy != Strategy::Ddp {
+        if p.tp > 1 && !matches!(p.strategy, Strategy::Ddp | Strategy::Zero3) {
             fail!(
                 World,
-                "parallel.tp ({}) composes with parallel.strategy ddp in this version, not {}",
+                "parallel.tp ({}) composes with parallel.strategy ddp and zero3 in this \
+                 version, not {}",
                 p.tp,
                 p.strategy
             );

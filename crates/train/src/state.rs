@@ -9,7 +9,7 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorMetadata};
+use burn::tensor::{DType, Tensor, TensorData, TensorMetadata};
 use hashbrown::HashMap;
 use kiln_comm::{ProcessGroup, shard_range};
 use kiln_shard::pieces::{self, held_range};
@@ -22,8 +22,17 @@ const M1_PREFIX: &str = "adamw.m1/";
 const M2_PREFIX: &str = "adamw.m2/";
 
 /// The part of `t` this rank writes: its range split among the ranks holding the same values.
-fn part_of<B: Backend>(name: String, t: &ShardTensor<B>, world: usize, rank: usize) -> Part {
+fn part_of<B: Backend>(
+    name: String,
+    t: &ShardTensor<B>,
+    world: usize,
+    rank: usize,
+    tp: usize,
+) -> Part {
     let (copies, copy) = match t {
+        // Under tensor parallelism (the mesh's fastest axis) the data-parallel ranks of a
+        // sharding group are `tp` apart, and the ranks holding one shard are a tp group.
+        ShardTensor::Sharded(_) if tp > 1 => (tp, rank % tp),
         ShardTensor::Sharded(s) => {
             // Sharding groups are consecutive ranks (DeviceMesh: dp_shard inside dp_replicate).
             let size = s.group.world_size();
@@ -53,6 +62,7 @@ pub(crate) fn save<B, C, M>(
     meta: &Meta,
     group: &dyn ProcessGroup,
     dp: &dyn ProcessGroup,
+    tp: usize,
     pipe: Option<&kiln_pipe::Pipeline>,
     to: SaveTo<'_>,
 ) -> Result<PathBuf>
@@ -73,7 +83,13 @@ where
     pieces::visit_params::<B, Train<B, C>, M>(model, |path, _, t| {
         let saved = trainable.contains(path) || buffers.contains(path);
         if saved && !other_stage(path, t) {
-            parts.push(part_of(format!("{TENSOR_PREFIX}{path}"), t, world, rank));
+            parts.push(part_of(
+                format!("{TENSOR_PREFIX}{path}"),
+                t,
+                world,
+                rank,
+                tp,
+            ));
         }
     });
     let mut record = optim.to_record();
@@ -87,8 +103,8 @@ where
         if other_stage(&path, &m1) {
             continue;
         }
-        parts.push(part_of(format!("{M1_PREFIX}{path}"), &m1, world, rank));
-        parts.push(part_of(format!("{M2_PREFIX}{path}"), &m2, world, rank));
+        parts.push(part_of(format!("{M1_PREFIX}{path}"), &m1, world, rank, tp));
+        parts.push(part_of(format!("{M2_PREFIX}{path}"), &m2, world, rank, tp));
     }
     match to {
         SaveTo::Here { root, keep } => snapshot::save(root, meta, parts, group, keep),
@@ -195,8 +211,17 @@ where
             &self,
             name: String,
             shape: &[usize],
+            param: &ShardTensor<B>,
         ) -> Result<Tensor<Shard<B>, D>> {
             let numel = shape.iter().product();
+            // A tensor-parallel parameter's moments are laid out as its part (whole, or
+            // sharded over the data-parallel group), from the whole tensor saved.
+            if let Some(part) = param.part() {
+                let values = self.snap.read(&name, shape, 0..numel)?;
+                let whole = TensorData::new(values, shape.to_vec());
+                let whole = B::float_from_data(whole, self.device);
+                return Ok(pieces::tensor((part.of_whole)(whole)));
+            }
             let range = match &self.group {
                 Some(g) => shard_range(numel, g.world_size(), g.rank()),
                 None => 0..numel,
@@ -228,9 +253,13 @@ where
             if shape.iter().product::<usize>() == 0 {
                 return; // Another pipeline stage's parameter.
             }
-            let moments = self
-                .moment::<D>(m1, &shape)
-                .and_then(|a| Ok((a, self.moment::<D>(format!("{M2_PREFIX}{path}"), &shape)?)));
+            let p = pieces::primitive(param.val().inner());
+            let moments = self.moment::<D>(m1, &shape, &p).and_then(|a| {
+                Ok((
+                    a,
+                    self.moment::<D>(format!("{M2_PREFIX}{path}"), &shape, &p)?,
+                ))
+            });
             match moments {
                 Ok((m1, m2)) => {
                     let state = AdamWState::new(AdaptiveMomentumState::new(self.time, m1, m2));

@@ -642,6 +642,7 @@ where
             &meta,
             self.mesh.world.as_ref(),
             self.mesh.stage.as_ref(),
+            self.mesh.shape.tp,
             self.pipe.as_ref(),
             to,
         )?;

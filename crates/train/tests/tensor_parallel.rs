@@ -1,7 +1,7 @@
 //! Tensor parallelism in kiln's training job (ranks as threads): `parallel.tp` trains like one
-//! device, alone, beside DDP and with pipeline stages; a snapshot written at tp 2 x dp 2
-//! resumes at tp 1 and tp 4 with the same next-step loss; a tp that does not divide the heads
-//! is refused by name.
+//! device, alone, beside DDP or ZeRO-3 (with and without sequence parallelism) and with
+//! pipeline stages; a snapshot written at tp 2 x ZeRO-3 dp 2 resumes at tp 1, tp 4 and tp 2 x
+//! DDP 2 with the same next-step loss; a tp that does not divide the heads is refused by name.
 
 use common::{chain, recipe, run};
 
@@ -21,10 +21,21 @@ fn tensor_parallel_runs_train_like_one_device() {
         false,
         None,
     );
+    let two_layers = ["model.heads=4", "train.batch_size=4", "model.layers=2"];
+    let two = run(
+        &recipe(&dir.path().join("two"), "ddp", &two_layers),
+        1,
+        false,
+        None,
+    );
+    let zero3 = "parallel.strategy=\"zero3\"";
+    let sp = "parallel.sequence_parallel=true";
     for (name, ranks, extra) in [
         ("tp 2", 2, vec!["parallel.tp=2"]),
         ("tp 4", 4, vec!["parallel.tp=4"]),
         ("tp 2 x ddp 2", 4, vec!["parallel.tp=2"]),
+        ("tp 2 x zero3 2", 4, vec!["parallel.tp=2", zero3]),
+        ("tp 2 x zero3 2, sp", 4, vec!["parallel.tp=2", zero3, sp]),
         (
             "tp 2 x pp 2",
             4,
@@ -38,19 +49,7 @@ fn tensor_parallel_runs_train_like_one_device() {
     ] {
         let mut o = heads.to_vec();
         o.extend(extra.iter());
-        let reference = match name {
-            "tp 2 x pp 2" => run(
-                &recipe(
-                    &dir.path().join("two"),
-                    "ddp",
-                    &[heads[0], heads[1], "model.layers=2"],
-                ),
-                1,
-                false,
-                None,
-            ),
-            _ => one.clone(),
-        };
+        let reference = if name.contains("pp") { &two } else { &one };
         let n = run(
             &recipe(&dir.path().join(name), "ddp", &o),
             ranks,
@@ -75,10 +74,16 @@ fn a_tensor_parallel_snapshot_resumes_at_other_tp_degrees() {
         false,
         None,
     );
-    for (tp, ranks) in [("parallel.tp=1", 1), ("parallel.tp=4", 4)] {
-        let out = dir.path().join(tp);
+    // Written at tp 2 x ZeRO-3 over 2 data-parallel ranks; read at tp 1, at tp 4 and at
+    // tp 2 x DDP 2.
+    for (tp, ranks) in [
+        ("parallel.tp=1", 1),
+        ("parallel.tp=4", 4),
+        ("parallel.tp=2", 4),
+    ] {
+        let out = dir.path().join(format!("{tp}-{ranks}"));
         run(
-            &recipe(&out, "ddp", &[heads, "parallel.tp=2"]),
+            &recipe(&out, "zero3", &[heads, "parallel.tp=2"]),
             4,
             false,
             Some(3),
@@ -86,12 +91,12 @@ fn a_tensor_parallel_snapshot_resumes_at_other_tp_degrees() {
         let resumed = run(&recipe(&out, "ddp", &[heads, tp]), ranks, true, None);
         assert!(
             close(resumed.losses[0], whole.losses[3]),
-            "{tp}: step 4 {} vs {}",
+            "{tp} x{ranks}: step 4 {} vs {}",
             resumed.losses[0],
             whole.losses[3]
         );
         let (v, w) = (resumed.val_loss.unwrap(), whole.val_loss.unwrap());
-        assert!(close(v, w), "{tp}: validation {v} vs {w}");
+        assert!(close(v, w), "{tp} x{ranks}: validation {v} vs {w}");
     }
 }
 
@@ -104,10 +109,13 @@ fn a_tp_that_does_not_divide_the_heads_is_named() {
         .unwrap_err();
     let e = chain(e);
     assert!(e.contains("n_head (2) is not a multiple of tp (4)"), "{e}");
-    let r = recipe(dir.path(), "zero3", &["parallel.tp=2"]);
+    let r = recipe(dir.path(), "zero1", &["parallel.tp=2"]);
     let e = kiln_train::train_threads::<burn::backend::Flex>(&r, 2, Default::default())
         .map(|_| ())
         .unwrap_err();
     let e = chain(e);
-    assert!(e.contains("composes with parallel.strategy ddp"), "{e}");
+    assert!(
+        e.contains("composes with parallel.strategy ddp and zero3"),
+        "{e}"
+    );
 }

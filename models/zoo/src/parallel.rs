@@ -47,9 +47,9 @@ impl<B> Sharding<B> {
     /// # Errors
     /// [`HfError::Parallel`] for a strategy other than DDP.
     pub fn with_tp(mut self, tp: Arc<dyn ProcessGroup>, plan: TpPlan) -> Result<Self, HfError> {
-        if self.strategy != Strategy::Ddp {
+        if !matches!(self.strategy, Strategy::Ddp | Strategy::Zero3) {
             return Err(HfError::Parallel(format!(
-                "tensor parallelism composes with ddp in this version, not {}",
+                "tensor parallelism composes with ddp and zero3 in this version, not {}",
                 self.strategy
             )));
         }

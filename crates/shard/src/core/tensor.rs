@@ -163,12 +163,13 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
 /// A rank's part of a split tensor ([`Deferred::part`]).
 #[derive(Clone)]
 pub struct Part<B: Backend> {
-    /// This rank's part.
-    pub local: Prim<B>,
+    /// This rank's part, as held (whole, or sharded over another group).
+    pub local: ShardTensor<B>,
     /// The group the tensor is split over.
     pub group: Arc<dyn ProcessGroup>,
-    /// The split tensor a new part of the same shape makes (a reduced gradient).
-    pub rewrap: Rewrap<B>,
+    /// The split tensor a new part of the same shape makes (a reduced gradient, whole or
+    /// sharded).
+    pub rewrap: Restore<B>,
     /// The split tensor a new whole tensor makes, this rank keeping its part (weights read
     /// from a snapshot).
     pub of_whole: Rewrap<B>,
@@ -181,6 +182,9 @@ impl<B: Backend> std::fmt::Debug for Part<B> {
             .finish_non_exhaustive()
     }
 }
+
+/// A function of a part as held making the split tensor again ([`Part::rewrap`]).
+pub type Restore<B> = Arc<dyn Fn(ShardTensor<B>) -> ShardTensor<B> + Send + Sync>;
 
 /// A function of an inner tensor making a tensor under the decorator ([`Part`]).
 pub type Rewrap<B> = Arc<dyn Fn(Prim<B>) -> ShardTensor<B> + Send + Sync>;

@@ -20,9 +20,11 @@
 //! always correct, counted per op name in [`stats`], so a missing rule is visible.
 
 use crate::core::dtype::promote2;
-use crate::core::host::{Host, collective_failed, read, write};
+use crate::core::host::{Host, collective_failed, read, slice_local, write};
 use crate::core::ops::custom::{linear_prims, weight_grad_prims};
+use crate::core::ops::policy::binary;
 use crate::core::ops::policy::current_op;
+use crate::core::ops::{local, unary};
 use crate::core::scope::{self, MemKind, waiting, with_kind};
 use crate::core::tensor::{
     Binary, Deferred, Elementwise, LinearArgs, Part, Prim, ShardTensor, ViewOp, same_group,
@@ -46,7 +48,9 @@ pub struct Split {
 /// This rank's part of a tensor split over the tensor-parallel group.
 #[derive(Debug, Clone)]
 pub struct Placed<B: Backend> {
-    local: Prim<B>,
+    /// This rank's part: whole (`Local`), or itself sharded over the data-parallel group
+    /// (`Sharded`: a parameter under ZeRO-3, gathered on use).
+    store: ShardTensor<B>,
     shape: Shape,
     split: Split,
     group: Arc<dyn ProcessGroup>,
@@ -132,15 +136,37 @@ pub fn chunk(size: usize, split: Split, t: usize) -> Option<usize> {
 impl<B: Backend> Placed<B> {
     /// A split tensor from this rank's part.
     pub fn from_part(local: Prim<B>, split: Split, group: Arc<dyn ProcessGroup>) -> Self {
-        let mut dims = local.shape().as_slice().to_vec();
+        Self::from_store(ShardTensor::Local(local), split, group)
+    }
+
+    /// A split tensor from this rank's part as held: whole, or sharded over another group
+    /// (ZeRO-3 over the data-parallel ranks).
+    pub fn from_store(store: ShardTensor<B>, split: Split, group: Arc<dyn ProcessGroup>) -> Self {
+        let mut dims = store.shape().as_slice().to_vec();
         dims[split.dim] *= group.world_size();
         Placed {
-            local,
+            store,
             shape: Shape::from(dims),
             split,
             group,
             sequence: false,
         }
+    }
+
+    /// This rank's part, whole (gathered over the data-parallel group when it is sharded
+    /// there: a parameter under ZeRO-3, on use).
+    fn value_part(&self) -> Prim<B> {
+        match &self.store {
+            ShardTensor::Local(t) => t.clone(),
+            s => local(s.clone()),
+        }
+    }
+
+    /// The part as held, with a layout op or new values applied to the shard when it is
+    /// sharded (an optimizer's elementwise update).
+    fn same_store(&self, store: ShardTensor<B>, sequence: bool) -> ShardTensor<B> {
+        let p = Placed::from_store(store, self.split, self.group.clone());
+        ShardTensor::Deferred(Arc::new(p.with_sequence(sequence)))
     }
 
     /// A weight whose layer runs sequence-parallel (see the field).
@@ -165,7 +191,7 @@ impl<B: Backend> Placed<B> {
 
     /// This rank's part.
     pub fn part(&self) -> Prim<B> {
-        self.local.clone()
+        self.value_part()
     }
 
     fn wrap(&self, local: Prim<B>, split: Split) -> ShardTensor<B> {
@@ -248,10 +274,26 @@ impl<B: Backend> Placed<B> {
                         && p.shape.num_dims() == self.shape.num_dims()
                         && p.shape[d] == self.shape[d] =>
                 {
-                    Ok(p.local.clone())
+                    Ok(p.value_part())
                 }
                 _ => Err(other),
             },
+        }
+    }
+
+    /// [`matching`](Self::matching) as held: a split tensor's part as it holds it (whole or
+    /// sharded over the data-parallel group).
+    fn matching_store(&self, other: ShardTensor<B>) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        match other.deferred::<Placed<B>>() {
+            Some(p)
+                if p.split == self.split
+                    && same_group(&p.group, &self.group)
+                    && p.shape.num_dims() == self.shape.num_dims()
+                    && p.shape[self.split.dim] == self.shape[self.split.dim] =>
+            {
+                Ok(p.store.clone())
+            }
+            _ => self.matching(other).map(ShardTensor::Local),
         }
     }
 
@@ -259,6 +301,14 @@ impl<B: Backend> Placed<B> {
     fn reduce(&self, t: Prim<B>) -> Prim<B> {
         all_reduce::<B>(t, self.group.as_ref())
     }
+}
+
+/// Rank `group.rank()`'s part of the whole `t` split by `split` (no communication).
+///
+/// # Panics
+/// If the dimension does not divide into `blocks x` the group's size.
+pub fn part_of<B: Backend>(t: Prim<B>, split: Split, group: &dyn ProcessGroup) -> Prim<B> {
+    part::<B>(t, split, group)
 }
 
 /// Rank `group.rank()`'s part of the whole `t`.
@@ -355,18 +405,18 @@ fn part_int<B: Backend>(
 fn all_gather<B: Backend>(p: &Placed<B>, why: Why) -> Prim<B> {
     let group = p.group.as_ref();
     let n = group.world_size();
-    let dims = p.local.shape().as_slice().to_vec();
+    let dims = p.store.shape().as_slice().to_vec();
     let d = p.split.dim;
     let (k, c) = (p.split.blocks, dims[d] / p.split.blocks);
     let rest: Vec<usize> = (0..dims.len()).filter(|&i| i != d).collect();
     // The split dimension first, as [k, c, rest..], contiguous, so each rank's part is one run.
     let mut axes = vec![d];
     axes.extend(&rest);
-    let front = B::float_permute(p.local.clone(), &axes);
+    let front = B::float_permute(p.value_part(), &axes);
     let rest_dims: Vec<usize> = rest.iter().map(|&i| dims[i]).collect();
-    let numel = p.local.shape().num_elements();
-    let device = B::float_device(&p.local);
-    let dtype = p.local.dtype();
+    let numel = p.store.shape().num_elements();
+    let device = p.store.device();
+    let dtype = p.store.dtype();
     let host = with_kind(MemKind::Comm, || {
         Host::from_data(read::<B>(B::float_reshape(front, Shape::from(vec![numel]))))
     });
@@ -517,7 +567,7 @@ impl<B: Backend> Placed<B> {
         let d = self.split.dim;
         let n = self.group.world_size();
         let dims = self.shape.as_slice();
-        let local_dims = self.local.shape().as_slice().to_vec();
+        let local_dims = self.store.shape().as_slice().to_vec();
         match op {
             ViewOp::SwapDims(a, b) => {
                 let dim = if d == *a {
@@ -527,19 +577,19 @@ impl<B: Backend> Placed<B> {
                 } else {
                     d
                 };
-                let t = B::float_swap_dims(self.local.clone(), *a, *b);
+                let t = B::float_swap_dims(self.value_part(), *a, *b);
                 Some(self.wrap(t, Split { dim, ..self.split }))
             }
             ViewOp::Permute(axes) => {
                 let dim = axes.iter().position(|&a| a == d)?;
-                let t = B::float_permute(self.local.clone(), axes);
+                let t = B::float_permute(self.value_part(), axes);
                 Some(self.wrap(t, Split { dim, ..self.split }))
             }
             ViewOp::Reshape(shape) => {
                 let split = reshaped(dims, shape.as_slice(), self.split, n)?;
                 let mut local = shape.as_slice().to_vec();
                 local[split.dim] /= n;
-                let t = B::float_reshape(self.local.clone(), Shape::from(local));
+                let t = B::float_reshape(self.value_part(), Shape::from(local));
                 Some(self.wrap(t, split))
             }
             ViewOp::Expand(shape) => {
@@ -549,7 +599,7 @@ impl<B: Backend> Placed<B> {
                 }
                 let mut local = shape.as_slice().to_vec();
                 local[d + off] = local_dims[d];
-                let t = B::float_expand(self.local.clone(), Shape::from(local));
+                let t = B::float_expand(self.value_part(), Shape::from(local));
                 Some(self.wrap(
                     t,
                     Split {
@@ -584,7 +634,7 @@ impl<B: Backend> Placed<B> {
                     local[d] = Slice::from(b0 * c..b1 * c);
                     split.blocks = b1 - b0;
                 }
-                let t = B::float_slice(self.local.clone(), &local);
+                let t = B::float_slice(self.value_part(), &local);
                 Some(self.wrap(t, split))
             }
         }
@@ -600,42 +650,66 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         self.shape.clone()
     }
     fn dtype(&self) -> DType {
-        self.local.dtype()
+        self.store.dtype()
     }
     fn device(&self) -> B::Device {
-        B::float_device(&self.local)
+        self.store.device()
     }
     fn value(&self) -> Prim<B> {
         all_gather(self, Why::NoRule)
     }
     fn held_bytes(&self) -> usize {
-        self.local.shape().num_elements() * self.local.dtype().size()
+        self.store.local_bytes()
     }
     fn is_require_grad(&self) -> bool {
-        B::float_is_require_grad(&self.local)
+        match &self.store {
+            ShardTensor::Local(t) => B::float_is_require_grad(t),
+            ShardTensor::Sharded(s) => B::float_is_require_grad(&s.shard),
+            ShardTensor::Deferred(d) => d.is_require_grad(),
+        }
     }
     fn elementwise(&self, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
-        Some(self.same(f(self.local.clone())))
+        Some(match &self.store {
+            ShardTensor::Local(t) => self.same(f(t.clone())),
+            // A part sharded over the data-parallel group: shard by shard.
+            store => {
+                let f = f.clone();
+                self.same_store(unary(store.clone(), move |t| f(t)), self.sequence)
+            }
+        })
     }
     fn sum(&self) -> Option<ShardTensor<B>> {
         // Each rank's sum of its part: a pending sum (one scalar all-reduced when read).
         Some(Partial::wrap(
-            B::float_sum(self.local.clone()),
+            B::float_sum(self.value_part()),
             self.group.clone(),
         ))
     }
     fn part(&self) -> Option<Part<B>> {
         let (split, group, sequence) = (self.split, self.group.clone(), self.sequence);
         let g = group.clone();
+        // A part sharded over the data-parallel group is sharded again when made from a whole
+        // tensor (weights read from a snapshot), as it was.
+        let sharded = match &self.store {
+            ShardTensor::Sharded(s) => Some((s.group.clone(), s.ops.derived())),
+            _ => None,
+        };
         Some(Part {
-            local: self.local.clone(),
+            local: self.store.clone(),
             group: self.group.clone(),
-            rewrap: Arc::new(move |local| {
-                let p = Placed::from_part(local, split, group.clone());
+            rewrap: Arc::new(move |store| {
+                let p = Placed::from_store(store, split, group.clone());
                 ShardTensor::Deferred(Arc::new(p.with_sequence(sequence)))
             }),
             of_whole: Arc::new(move |whole| {
-                let p = Placed::from_whole(whole, split, g.clone());
+                let part = part::<B>(whole, split, g.as_ref());
+                let store = match &sharded {
+                    Some((dp, ops)) => {
+                        ShardTensor::Sharded(slice_local::<B>(part, dp, ops.clone()))
+                    }
+                    None => ShardTensor::Local(part),
+                };
+                let p = Placed::from_store(store, split, g.clone());
                 ShardTensor::Deferred(Arc::new(p.with_sequence(sequence)))
             }),
         })
@@ -645,7 +719,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
     }
     fn along(&self, dim: usize, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
         if dim != self.split.dim {
-            return Some(self.same(f(self.local.clone())));
+            return Some(self.same(f(self.value_part())));
         }
         // Along the split dimension: a sum's terms are every rank's (a pending sum); a maximum
         // or minimum is every rank's, reduced (a vocabulary-split row's, for its softmax).
@@ -655,7 +729,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             "float_min_dim" => Some(ReduceOp::Min),
             _ => return None,
         };
-        let local = f(self.local.clone());
+        let local = f(self.value_part());
         Some(match op {
             None => Partial::wrap(local, self.group.clone()),
             Some(op) => ShardTensor::Local(all_reduce_op::<B>(local, self.group.as_ref(), op)),
@@ -670,11 +744,25 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         // An optimizer's update of a weight keeps the weight's sequence parallelism, whichever
         // operand carries it.
         let sequence = self.sequence || other.deferred::<Placed<B>>().is_some_and(|p| p.sequence);
+        let other_sharded = other
+            .deferred::<Placed<B>>()
+            .is_some_and(|p| matches!(p.store, ShardTensor::Sharded(_)));
+        if matches!(self.store, ShardTensor::Sharded(_)) || other_sharded {
+            // Parts sharded over the data-parallel group (ZeRO-3 parameters and their
+            // gradients, an optimizer's update): the core's shard-by-shard rules on the parts.
+            let o = self.matching_store(other)?;
+            let f = f.clone();
+            let y = match self_lhs {
+                true => binary(self.store.clone(), o, move |a, b| f(a, b)),
+                false => binary(o, self.store.clone(), move |a, b| f(a, b)),
+            };
+            return Ok(self.same_store(y, sequence));
+        }
         let o = self.matching(other)?;
         let y = if self_lhs {
-            f(self.local.clone(), o)
+            f(self.value_part(), o)
         } else {
-            f(o, self.local.clone())
+            f(o, self.value_part())
         };
         Ok(self.same_with(y, sequence))
     }
@@ -690,14 +778,14 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         if d + 2 < r {
             // A batch dimension: the other operand matches it (or broadcasts).
             let o = self.matching(other)?;
-            return Ok(self.same(run(self.local.clone(), o)));
+            return Ok(self.same(run(self.value_part(), o)));
         }
         let other_placed = other.deferred::<Placed<B>>();
         let rows = d + 2 == r;
         match (self_lhs, rows, other) {
             // lhs split by rows or rhs split by columns, the other operand replicated.
             (true, true, ShardTensor::Local(o)) | (false, false, ShardTensor::Local(o)) => {
-                Ok(self.same(run(self.local.clone(), o)))
+                Ok(self.same(run(self.value_part(), o)))
             }
             // The contracted dimension split (alike on both sides): a partial sum, all-reduced.
             (true, false, other) | (false, true, other) => {
@@ -709,14 +797,14 @@ impl<B: Backend> Deferred<B> for Placed<B> {
                             && p.split.blocks == blocks
                             && same_group(&p.group, &self.group) =>
                     {
-                        p.local.clone()
+                        p.value_part()
                     }
                     (ShardTensor::Local(o), None) => {
                         part::<B>(o.clone(), Split { dim: od, blocks }, self.group.as_ref())
                     }
                     _ => return Err(other),
                 };
-                Ok(ShardTensor::Local(self.reduce(run(self.local.clone(), o))))
+                Ok(ShardTensor::Local(self.reduce(run(self.value_part(), o))))
             }
             (_, _, other) => Err(other),
         }
@@ -744,11 +832,11 @@ impl<B: Backend> Deferred<B> for Placed<B> {
                     self.group.as_ref(),
                 )),
                 Some(b) => match b.deferred::<Placed<B>>() {
-                    Some(p) if p.split.blocks == self.split.blocks => Some(p.local.clone()),
+                    Some(p) if p.split.blocks == self.split.blocks => Some(p.value_part()),
                     _ => return Err((ShardTensor::Local(xl), Some(b))),
                 },
             };
-            let mut inputs = vec![xl, self.local.clone()];
+            let mut inputs = vec![xl, self.value_part()];
             inputs.extend(b);
             let y = linear_prims::<B>(policy(), inputs);
             return Ok(self.wrap(
@@ -771,7 +859,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         let xl = match x {
             ShardTensor::Local(x) => part::<B>(x, row, self.group.as_ref()),
             x => match x.deferred::<Placed<B>>() {
-                Some(p) if p.split == row && same_group(&p.group, &self.group) => p.local.clone(),
+                Some(p) if p.split == row && same_group(&p.group, &self.group) => p.value_part(),
                 _ => return Err((x, bias)),
             },
         };
@@ -780,7 +868,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             Some(ShardTensor::Local(b)) => Some(b),
             Some(b) => Some(b.into_whole()),
         };
-        let y = linear_prims::<B>(policy(), vec![xl, self.local.clone()]);
+        let y = linear_prims::<B>(policy(), vec![xl, self.value_part()]);
         let add_bias = |y: Prim<B>| match b {
             Some(b) => {
                 let (y, b) = promote2::<B>(y, b);
@@ -816,12 +904,12 @@ impl<B: Backend> Deferred<B> for Placed<B> {
                 ShardTensor::Local(dy) => part::<B>(dy, out, self.group.as_ref()),
                 dy => match dy.deferred::<Placed<B>>() {
                     Some(p) if p.split == out && same_group(&p.group, &self.group) => {
-                        p.local.clone()
+                        p.value_part()
                     }
                     _ => return Err(dy),
                 },
             };
-            let (w, dl) = promote2::<B>(self.local.clone(), dl);
+            let (w, dl) = promote2::<B>(self.value_part(), dl);
             let dx = B::linear_x_backward(w, dl);
             // A pending sum, reduce-scattered along the tokens under sequence parallelism (the
             // input was gathered along them).
@@ -832,7 +920,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         // Row parallel: dy replicated (gathered along the sequence under sequence
         // parallelism), dx split like x.
         let dl = self.gathered_input(dy, true)?;
-        let (w, dl) = promote2::<B>(self.local.clone(), dl);
+        let (w, dl) = promote2::<B>(self.value_part(), dl);
         Ok(self.wrap(
             B::linear_x_backward(w, dl),
             Split {
@@ -877,13 +965,13 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         let t = match target {
             ShardTensor::Local(t) => part::<B>(t, split, self.group.as_ref()),
             target => match target.deferred::<Placed<B>>() {
-                Some(p) if p.split == split && same_group(&p.group, &self.group) => p.local.clone(),
+                Some(p) if p.split == split && same_group(&p.group, &self.group) => p.value_part(),
                 _ => return Err(target),
             },
         };
         let b0 = range.start / block;
         local[d] = Slice::from(b0 * c..(b0 + kv) * c);
-        let (t, v) = promote2::<B>(t, self.local.clone());
+        let (t, v) = promote2::<B>(t, self.value_part());
         Ok(self.wrap(B::float_slice_assign(t, &local, v), split))
     }
     fn weight_grad(
@@ -898,8 +986,8 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             return match other.deferred::<Placed<B>>() {
                 Some(p) if p.split == self.split && same_group(&p.group, &self.group) => {
                     let (x, dy) = match self_is_x {
-                        true => (self.local.clone(), p.local.clone()),
-                        false => (p.local.clone(), self.local.clone()),
+                        true => (self.value_part(), p.value_part()),
+                        false => (p.value_part(), self.value_part()),
                     };
                     Ok(Partial::wrap(
                         weight_grad_prims::<B>(vec![x, dy]),
@@ -913,7 +1001,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         let o = self.gathered_input(other, true)?;
         if self_is_x {
             // Row parallel: x split by its last dimension, the gradient by rows of w.
-            let g = weight_grad_prims::<B>(vec![self.local.clone(), o]);
+            let g = weight_grad_prims::<B>(vec![self.value_part(), o]);
             Ok(self.wrap(
                 g,
                 Split {
@@ -923,7 +1011,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             ))
         } else {
             // Column parallel: dy split by its last dimension, the gradient by columns of w.
-            let g = weight_grad_prims::<B>(vec![o, self.local.clone()]);
+            let g = weight_grad_prims::<B>(vec![o, self.value_part()]);
             Ok(self.wrap(
                 g,
                 Split {
@@ -935,7 +1023,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
     }
     fn bias_grad(&self) -> Option<ShardTensor<B>> {
         let last = self.shape.num_dims() - 1;
-        let g = B::linear_bias_backward(self.local.clone());
+        let g = B::linear_bias_backward(self.value_part());
         Some(match self.split.dim == last {
             true => self.wrap(
                 g,
@@ -957,14 +1045,14 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         if self.shape.num_dims() != 2 || self.split != (Split { dim: 0, blocks: 1 }) {
             return None;
         }
-        let chunk = self.local.shape()[0];
+        let chunk = self.store.shape()[0];
         let (local, mask) = own_indices::<B>(
             indices.clone(),
             chunk,
             self.group.rank(),
-            self.local.dtype(),
+            self.store.dtype(),
         );
-        let rows = B::embedding(self.local.clone(), local);
+        let rows = B::embedding(self.value_part(), local);
         let mut dims = mask.shape().as_slice().to_vec();
         dims.push(1);
         let mask = B::float_reshape(mask, Shape::from(dims));
@@ -978,13 +1066,13 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         if self.shape.num_dims() != 2 || self.split != (Split { dim: 0, blocks: 1 }) {
             return None;
         }
-        let chunk = self.local.shape()[0];
+        let chunk = self.store.shape()[0];
         let dy = dy.clone().into_whole();
         let (local, mask) = own_indices::<B>(indices.clone(), chunk, self.group.rank(), dy.dtype());
         let mut dims = mask.shape().as_slice().to_vec();
         dims.push(1);
         let dy = B::float_mul(dy, B::float_reshape(mask, Shape::from(dims)));
-        let g = B::embedding_backward(self.local.clone(), dy, local);
+        let g = B::embedding_backward(self.value_part(), dy, local);
         Some(self.same_with(g, false))
     }
     fn take(
@@ -1009,14 +1097,14 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             {
                 return None;
             }
-            let chunk = self.local.shape()[dim];
+            let chunk = self.store.shape()[dim];
             let (local, mask) = own_indices::<B>(
                 indices.clone(),
                 chunk,
                 self.group.rank(),
-                self.local.dtype(),
+                self.store.dtype(),
             );
-            let picked = B::float_gather(dim, self.local.clone(), local);
+            let picked = B::float_gather(dim, self.value_part(), local);
             return Some(Partial::wrap(
                 B::float_mul(picked, mask),
                 self.group.clone(),
@@ -1027,7 +1115,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             return None;
         }
         let idx = part_int::<B>(indices.clone(), self.split, self.group.as_ref());
-        Some(self.same(B::float_gather(dim, self.local.clone(), idx)))
+        Some(self.same(B::float_gather(dim, self.value_part(), idx)))
     }
 }
 

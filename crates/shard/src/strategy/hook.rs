@@ -131,7 +131,7 @@ fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
         .map(|p| {
             let g = unsafe { (*p.ptr).clone() };
             let g = match p.rewrap {
-                Some(_) => ShardTensor::Local(g.part().expect("a part").local),
+                Some(_) => g.part().expect("a part").local,
                 None => g,
             };
             (g, p.shape.clone())
@@ -168,13 +168,10 @@ fn land<B: Backend>(m: &ModelState<B>) {
 
 fn put_back<B: Backend>(bucket: &[PendingGrad<B>], reduced: Vec<ShardTensor<B>>) {
     for (p, reduced) in bucket.iter().zip(reduced) {
-        let reduced = match (&p.rewrap, reduced) {
-            (None, reduced) => reduced,
-            (Some(rewrap), ShardTensor::Local(part)) => rewrap(part),
-            (Some(_), _) => panic!(
-                "kiln: a tensor-parallel gradient reduced into shards: tensor parallelism \
-                 composes with DDP only (parallelize refuses the ZeRO strategies with tp > 1)"
-            ),
+        // A tensor-parallel part reduced (whole, or this rank's shard of it) is the part.
+        let reduced = match &p.rewrap {
+            None => reduced,
+            Some(rewrap) => rewrap(reduced),
         };
         // SAFETY: as in `flush`.
         unsafe { *p.ptr = reduced };

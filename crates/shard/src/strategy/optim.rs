@@ -364,11 +364,13 @@ where
         Arc<dyn ProcessGroup>,
         Vec<burn_backend::tensor::FloatTensor<B>>,
     );
-    /// Sums of squares of whole gradients, and of shards per group.
+    /// Sums of squares of whole gradients, of shards per group, and of tensor-parallel parts
+    /// sharded over a data-parallel group (summed over that group, then over the tp group).
     struct SumSquares<'a, B: Backend> {
         grads: &'a GradientsParams,
         whole: Vec<B::FloatTensorPrimitive>,
         sharded: Vec<Partials<B>>,
+        nested: Vec<(Arc<dyn ProcessGroup>, Partials<B>)>,
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB>
         for SumSquares<'_, B>
@@ -382,7 +384,24 @@ where
             let (part, group) = match g.into_primitive().tensor() {
                 ShardTensor::Sharded(s) => (s.shard, s.group),
                 t => match t.part() {
-                    Some(p) => (p.local, p.group),
+                    Some(p) => match p.local {
+                        ShardTensor::Sharded(s) => {
+                            let part =
+                                (s.shard.shape().num_elements() > 0).then(|| square_sum(s.shard));
+                            let at = match self.nested.iter().position(|(dp, (tp, _))| {
+                                same_group(dp, &s.group) && same_group(tp, &p.group)
+                            }) {
+                                Some(at) => at,
+                                None => {
+                                    self.nested.push((s.group, (p.group, Vec::new())));
+                                    self.nested.len() - 1
+                                }
+                            };
+                            self.nested[at].1.1.extend(part);
+                            return;
+                        }
+                        part => (local(part), p.group),
+                    },
                     None => return self.whole.push(square_sum(local(t))),
                 },
             };
@@ -409,12 +428,19 @@ where
         grads,
         whole: Vec::new(),
         sharded: Vec::new(),
+        nested: Vec::new(),
     };
     module.visit(&mut sum);
     let mut norm_sq = total::<B>(sum.whole);
     for (group, parts) in sum.sharded {
         let mut part = [total::<B>(parts) as f32];
         waiting(|| group.all_reduce((&mut part[..]).into(), ReduceOp::Sum))?;
+        norm_sq += f64::from(part[0]);
+    }
+    for (dp, (tp, parts)) in sum.nested {
+        let mut part = [total::<B>(parts) as f32];
+        waiting(|| dp.all_reduce((&mut part[..]).into(), ReduceOp::Sum))?;
+        waiting(|| tp.all_reduce((&mut part[..]).into(), ReduceOp::Sum))?;
         norm_sq += f64::from(part[0]);
     }
     Ok(norm_sq.sqrt())

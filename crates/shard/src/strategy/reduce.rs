@@ -18,7 +18,7 @@ use crate::core::ops::local;
 #[cfg(feature = "cuda")]
 use crate::core::ops::unary;
 use crate::core::scope::{self, waiting};
-use crate::core::tensor::{Rewrap, ShardTensor, Sharded};
+use crate::core::tensor::{Restore, ShardTensor, Sharded};
 use crate::features::zero::flat;
 use burn_backend::{Backend, TensorMetadata};
 use burn_std::Shape;
@@ -45,7 +45,7 @@ pub(crate) struct PendingGrad<B: Backend> {
     /// The shape reduced: the gradient's, or its part's under tensor parallelism.
     pub shape: Shape,
     /// Under tensor parallelism: the part is reduced, and this makes the gradient again.
-    pub rewrap: Option<Rewrap<B>>,
+    pub rewrap: Option<Restore<B>>,
 }
 
 // SAFETY: a pending gradient is created and consumed by the one thread running a backward pass
@@ -323,7 +323,7 @@ pub(crate) fn cat(parts: &[Host]) -> Host {
 #[cfg(feature = "cuda")]
 mod on_device {
     use crate::core::scope::waiting;
-    use crate::core::tensor::{ShardTensor, Sharded};
+    use crate::core::tensor::{Restore, ShardTensor, Sharded};
     use crate::features::zero::flat;
     use crate::features::zero::on_device::{flat as flat1, is_nccl, padded, slice};
     use crate::strategy::reduce::{RankMajor, Reduction};

@@ -10,9 +10,10 @@ use super::buffers::matches_path;
 use super::params::replace_primitive;
 use crate::core::backend::Shard;
 use crate::core::error::ShardError;
+use crate::core::host::slice_local;
 use crate::core::ops::local;
 use crate::core::tensor::ShardTensor;
-use crate::features::tp::{Placed, Split, chunk};
+use crate::features::tp::{Placed, Split, chunk, part_of};
 use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -307,24 +308,22 @@ where
         let sequence = self.plan.sequence_parallel;
         let place = move |t: Tensor<AB, D>| {
             replace_primitive::<B, AB, D>(t, |t: ShardTensor<B>| {
-                let part = Placed::from_whole(local(t), split, group.clone());
-                ShardTensor::Deferred(Arc::new(part.with_sequence(sequence)))
+                // A parameter sharded over the data-parallel group (ZeRO-3) keeps its part
+                // sharded there: 2-D, each rank holding a shard of its tensor-parallel part.
+                let sharded = match &t {
+                    ShardTensor::Sharded(s) => Some((s.group.clone(), s.ops.derived())),
+                    _ => None,
+                };
+                let part = part_of::<B>(local(t), split, group.as_ref());
+                let store = match sharded {
+                    Some((dp, ops)) => ShardTensor::Sharded(slice_local::<B>(part, &dp, ops)),
+                    None => ShardTensor::Local(part),
+                };
+                let p = Placed::from_store(store, split, group.clone());
+                ShardTensor::Deferred(Arc::new(p.with_sequence(sequence)))
             })
         };
         let (id, tensor, mapper) = param.consume();
-        if tensor
-            .clone()
-            .inner()
-            .into_primitive()
-            .tensor()
-            .is_sharded()
-        {
-            self.error.get_or_insert(ShardError::Config(format!(
-                "tensor parallelism over sharded parameters ({path}): tp composes with DDP \
-                 (and pipeline stages) in this version, not with ZeRO or hybrid sharding"
-            )));
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
         // Weights loaded later go through the mapper the parameter had (a strategy's), then
         // are split.
         let before = mapper.clone();

@@ -118,9 +118,12 @@ pub(crate) fn float_into_data<B: Backend>(
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
     match tensor {
         ShardTensor::Sharded(s) if scope::reading_locally() => B::float_into_data(s.shard),
-        // A tensor-parallel part likewise.
+        // A tensor-parallel part likewise (its shard, when it is sharded too).
         t if scope::reading_locally() && t.part().is_some() => {
-            B::float_into_data(t.part().expect("a part").local)
+            match t.part().expect("a part").local {
+                ShardTensor::Sharded(s) => B::float_into_data(s.shard),
+                part => B::float_into_data(local(part)),
+            }
         }
         t => B::float_into_data(local(t)),
     }
