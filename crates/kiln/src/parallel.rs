@@ -11,9 +11,9 @@
 //!    parameters become placeholders. Before sharding, so a stage shards only what it holds;
 //! 3. **tensor parallelism** ([`TpPlan`]): Megatron's column/row split of the layers a plan
 //!    names by module path, over the mesh's `tp` axis (the fastest: one node). Applied after
-//!    sharding has registered the parameters whole (DDP keeps them whole; the ZeRO strategies
-//!    are refused with `tp > 1` in this version), so that the data-parallel strategy reduces
-//!    each rank's part of a split gradient over the data-parallel group;
+//!    sharding has registered the parameters (whole, or sharded under ZeRO-3: the part is then
+//!    sharded again), so that the data-parallel strategy reduces each rank's part of a split
+//!    gradient over the data-parallel group (hybrid sharding is refused with `tp > 1`);
 //! 4. **rematerialisation** ([`Remat`]): Burn's op-level checkpointing is autodiff's type
 //!    parameter (`Train<B, BalancedCheckpointing>`, checked here against the plan); kiln's
 //!    budget goes into the step's configuration;
@@ -448,9 +448,9 @@ where
         _ => (None, model),
     };
     // 3. Tensor parallelism: checked here, applied after sharding registered the parameters.
-    if mesh.shape.tp > 1 && !matches!(plan.shard.strategy, Strategy::Ddp | Strategy::Zero3) {
+    if mesh.shape.tp > 1 && matches!(plan.shard.strategy, Strategy::Hybrid { .. }) {
         return Err(ParallelError::Plan(format!(
-            "tensor parallelism (tp = {}) composes with the ddp and zero3 strategies (and \
+            "tensor parallelism (tp = {}) composes with the ddp and ZeRO strategies (and \
              pipeline stages) in this version, not with {}",
             mesh.shape.tp, plan.shard.strategy
         )));

@@ -633,11 +633,11 @@ impl Recipe {
                 p.pp
             );
         }
-        if p.tp > 1 && !matches!(p.strategy, Strategy::Ddp | Strategy::Zero3) {
+        if p.tp > 1 && matches!(p.strategy, Strategy::Hybrid { .. }) {
             fail!(
                 World,
-                "parallel.tp ({}) composes with parallel.strategy ddp and zero3 in this \
-                 version, not {}",
+                "parallel.tp ({}) composes with parallel.strategy ddp, zero1, zero2 and zero3 \
+                 in this version, not {}",
                 p.tp,
                 p.strategy
             );

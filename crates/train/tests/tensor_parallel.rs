@@ -35,6 +35,16 @@ fn tensor_parallel_runs_train_like_one_device() {
         ("tp 4", 4, vec!["parallel.tp=4"]),
         ("tp 2 x ddp 2", 4, vec!["parallel.tp=2"]),
         ("tp 2 x zero3 2", 4, vec!["parallel.tp=2", zero3]),
+        (
+            "tp 2 x zero1 2",
+            4,
+            vec!["parallel.tp=2", "parallel.strategy=\"zero1\""],
+        ),
+        (
+            "tp 2 x zero2 2",
+            4,
+            vec!["parallel.tp=2", "parallel.strategy=\"zero2\""],
+        ),
         ("tp 2 x zero3 2, sp", 4, vec!["parallel.tp=2", zero3, sp]),
         (
             "tp 2 x pp 2",
@@ -109,13 +119,10 @@ fn a_tp_that_does_not_divide_the_heads_is_named() {
         .unwrap_err();
     let e = chain(e);
     assert!(e.contains("n_head (2) is not a multiple of tp (4)"), "{e}");
-    let r = recipe(dir.path(), "zero1", &["parallel.tp=2"]);
-    let e = kiln_train::train_threads::<burn::backend::Flex>(&r, 2, Default::default())
+    let r = recipe(dir.path(), "hybrid:2", &["parallel.tp=2"]);
+    let e = kiln_train::train_threads::<burn::backend::Flex>(&r, 4, Default::default())
         .map(|_| ())
         .unwrap_err();
     let e = chain(e);
-    assert!(
-        e.contains("composes with parallel.strategy ddp and zero3"),
-        "{e}"
-    );
+    assert!(e.contains("ddp, zero1, zero2 and zero3"), "{e}");
 }

@@ -11,7 +11,7 @@ use crate::core::error::ShardError;
 use crate::core::host::{Host, read, slice_local, write};
 use crate::core::ops::local;
 use crate::core::scope::waiting;
-use crate::core::tensor::{ShardTensor, Sharded, same_group};
+use crate::core::tensor::{Restore, ShardTensor, Sharded, same_group};
 use crate::features::zero::flat;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::LearningRate;
@@ -213,8 +213,14 @@ where
             _ => return param,
         };
         let (id, tensor, mapper) = param.consume();
-        let tensor = replace_primitive::<B, AB, D>(tensor, |t| {
-            ShardTensor::Sharded(slice_local::<B>(local(t), &group, flat()))
+        let tensor = replace_primitive::<B, AB, D>(tensor, |t| match t.part() {
+            // A tensor-parallel part is sliced as the tensor.
+            Some(p) => (p.rewrap)(ShardTensor::Sharded(slice_local::<B>(
+                local(p.local),
+                &group,
+                flat(),
+            ))),
+            None => ShardTensor::Sharded(slice_local::<B>(local(t), &group, flat())),
         });
         Param::from_mapped_value(id, tensor, mapper)
     }
@@ -234,14 +240,24 @@ where
         marks: &'a Marks<B>,
         model: &'a Arc<ModelState<B>>,
         shards: Vec<(ParamId, Sharded<B>)>,
+        /// How a tensor-parallel part gathered becomes the parameter again.
+        parts: HashMap<ParamId, Restore<B>>,
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleVisitor<AB> for Read<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
             if self.marks.in_model(p.id, self.model).is_none() {
                 return;
             }
-            if let ShardTensor::Sharded(s) = p.val().inner().into_primitive().tensor() {
-                self.shards.push((p.id, s));
+            match p.val().inner().into_primitive().tensor() {
+                ShardTensor::Sharded(s) => self.shards.push((p.id, s)),
+                t => {
+                    if let Some(part) = t.part()
+                        && let ShardTensor::Sharded(s) = part.local
+                    {
+                        self.shards.push((p.id, s));
+                        self.parts.insert(p.id, part.rewrap);
+                    }
+                }
             }
         }
     }
@@ -249,6 +265,7 @@ where
         marks,
         model: m,
         shards: Vec::new(),
+        parts: HashMap::new(),
     };
     module.visit(&mut r);
     let group = &m.shard_group;
@@ -295,6 +312,7 @@ where
     }
     struct Write<B: Backend> {
         whole: HashMap<ParamId, B::FloatTensorPrimitive>,
+        parts: HashMap<ParamId, Restore<B>>,
     }
     impl<B: Backend, AB: AutodiffBackend<InnerBackend = Shard<B>>> ModuleMapper<AB> for Write<B> {
         fn map_float<const D: usize>(
@@ -303,15 +321,20 @@ where
         ) -> Param<Tensor<AB, D>> {
             match self.whole.remove(&param.id) {
                 Some(w) => {
+                    let restore = self.parts.remove(&param.id);
                     let (id, tensor, mapper) = param.consume();
-                    let tensor = replace_primitive::<B, AB, D>(tensor, |_| ShardTensor::Local(w));
+                    let tensor = replace_primitive::<B, AB, D>(tensor, |_| match restore {
+                        Some(restore) => restore(ShardTensor::Local(w)),
+                        None => ShardTensor::Local(w),
+                    });
                     Param::from_mapped_value(id, tensor, mapper)
                 }
                 None => param,
             }
         }
     }
-    module.map(&mut Write::<B> { whole })
+    let parts = r.parts;
+    module.map(&mut Write::<B> { whole, parts })
 }
 
 /// Scales the gradients so that their global L2 norm is at most `max_norm` (PyTorch's
