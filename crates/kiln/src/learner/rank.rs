@@ -68,17 +68,26 @@ pub(crate) enum Feed<X: Backend, I> {
 
 struct Epoch<'a, I> {
     iter: Option<Box<dyn DataLoaderIterator<I> + 'a>>,
+    /// This rank's place among the ranks that take different rows, and their number.
     rank: usize,
     world: usize,
+    /// Ranks per data-parallel rank (tensor parallelism, the mesh's fastest axis): world rank
+    /// `w` takes the rows of data-parallel rank `w / tp`.
+    tp: usize,
 }
 
 impl<X: Backend, I: Split + Send> Feed<X, I> {
-    fn epoch(&self, rank: usize, world: usize) -> Epoch<'_, I> {
+    fn epoch(&self, rank: usize, world: usize, tp: usize) -> Epoch<'_, I> {
         let iter = match self {
             Feed::Own(l) | Feed::Lead(l, _) => Some(l.iter()),
             Feed::Follow(_) => None,
         };
-        Epoch { iter, rank, world }
+        Epoch {
+            iter,
+            rank,
+            world,
+            tp,
+        }
     }
 
     /// Reads `epochs` epochs of the loader without training on them, so that a resumed run
@@ -95,7 +104,7 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
 
     /// This rank's next share, or `None` at the epoch's end.
     fn next(&self, epoch: &mut Epoch<'_, I>) -> Result<Option<(I, Progress, Share)>, LearnerError> {
-        let (rank, world) = (epoch.rank, epoch.world);
+        let (rank, world, tp) = (epoch.rank, epoch.world, epoch.tp);
         let share = |rows| Share { rank, world, rows };
         let mine = |item: I, rows: usize| {
             // One rank keeps the batch untouched: the numbers of one device, exactly.
@@ -132,7 +141,7 @@ impl<X: Backend, I: Split + Send> Feed<X, I> {
                 check_share(&share(rows))?;
                 for (i, f) in followers.iter().enumerate() {
                     let theirs = item.split(&Share {
-                        rank: i + 1,
+                        rank: (i + 1) / tp,
                         world,
                         rows,
                     });
@@ -222,6 +231,9 @@ enum Epochs {
 /// A rank's training in progress: what the parts of the epoch loop share.
 pub(crate) struct Training<B: Backend, C: CheckpointStrategy, LC: LearningComponentsTypes> {
     group: Arc<dyn ProcessGroup>,
+    /// The ranks that take different rows (the data-parallel group: under tensor parallelism
+    /// a tp group's ranks compute the same rows together); `rank` and `world` are in it.
+    data: Arc<dyn ProcessGroup>,
     rank: usize,
     world: usize,
     device: B::Device,
@@ -293,8 +305,9 @@ where
             .lock()
             .load_model(parallel.model.clone().into_record());
         let mut t = Training::<B, C, LC> {
-            rank: group.rank(),
-            world: group.world_size(),
+            rank: mesh.dp.rank(),
+            world: mesh.dp.world_size(),
+            data: mesh.dp.clone(),
             group,
             device,
             model: Some(parallel.model),
@@ -336,7 +349,8 @@ where
         epoch: usize,
         global: &Progress,
     ) -> Result<Epochs, LearnerError> {
-        let mut feed = train.epoch(self.rank, self.world);
+        let tp = self.group.world_size() / self.world;
+        let mut feed = train.epoch(self.rank, self.world, tp);
         let mut iteration = 0;
         let mut accumulated = Accumulated::<LC> {
             grads: GradientsAccumulator::new(),
@@ -362,7 +376,7 @@ where
             self.optim.lock().lr_step();
             let out = self.batch(item, &share, &mut accumulated)?;
             let lr = self.optim.lock().lr_current();
-            let item = out.gather(&share, self.group.as_ref())?;
+            let item = out.gather(&share, self.data.as_ref())?;
             if let (Some(lead), Some(item)) = (self.lead.as_mut(), item) {
                 let item =
                     TrainingItem::new(item, progress, global.clone(), Some(iteration), Some(lr));
@@ -448,7 +462,8 @@ where
     ) -> Result<(), LearnerError> {
         let g = self.group.as_ref();
         let model_valid = self.model().valid();
-        let mut feed = valid.epoch(self.rank, self.world);
+        let tp = self.group.world_size() / self.world;
+        let mut feed = valid.epoch(self.rank, self.world, tp);
         let mut iteration = 0;
         loop {
             let next = valid.next(&mut feed)?;
@@ -465,7 +480,8 @@ where
             let out = autocast(self.config.precision, || {
                 InferenceStep::step(&model_valid, item)
             });
-            if let (Some(lead), Some(out)) = (self.lead.as_mut(), out.gather(&share, g)?) {
+            let gathered = out.gather(&share, self.data.as_ref())?;
+            if let (Some(lead), Some(out)) = (self.lead.as_mut(), gathered) {
                 let item = TrainingItem::new(out, progress, global.clone(), Some(iteration), None);
                 lead.processor
                     .process_valid(LearnerEvent::ProcessedItem(item));
@@ -482,7 +498,8 @@ where
     fn checkpoint(&mut self, epoch: usize) {
         let whole = gather_model::<B, Train<B, C>, _>(self.model().clone());
         let record = optimizer_record(&self.optim.lock(), &self.store);
-        let state = record.gather_whole(&param_order(self.model()), self.rank, &self.device);
+        let state =
+            record.gather_whole(&param_order(self.model()), self.group.rank(), &self.device);
         if let (Some(lead), Some(state)) = (self.lead.as_mut(), state)
             && let Some(checkpointer) = lead.checkpointer.as_mut()
         {
@@ -518,7 +535,7 @@ where
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(RankFigures {
-                rank: self.rank,
+                rank: self.group.rank(),
                 param_bytes: param_bytes::<B, Train<B, C>, _>(self.model()),
                 optim_bytes: record_bytes::<Train<B, C>, _>(record),
                 steps: self.steps,
