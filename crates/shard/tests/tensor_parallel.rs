@@ -45,12 +45,16 @@ impl Tiny<B> {
 }
 
 fn tiny() -> Tiny<B> {
+    tiny_with(0.0)
+}
+
+fn tiny_with(dropout: f64) -> Tiny<B> {
     let device = Default::default();
     B::seed(&device, 7);
     let model = Tiny {
         embed: LinearConfig::new(D_MODEL, D_MODEL).init(&device),
         encoder: TransformerEncoderConfig::new(D_MODEL, 16, HEADS, LAYERS)
-            .with_dropout(0.0)
+            .with_dropout(dropout)
             .init(&device),
         head: LinearConfig::new(D_MODEL, 3).init(&device),
     };
@@ -176,6 +180,34 @@ fn burn_nn_transformer_under_a_path_plan_equals_one_device() {
             }
         }
     }
+}
+
+/// Dropout under tensor parallelism: the tp group's ranks draw one mask (rank 0's, broadcast),
+/// one device's, so the run equals one device's with the same generator.
+#[test]
+fn dropout_masks_agree_across_a_tp_group() {
+    let initial = tiny_with(0.2);
+    let reference = train(initial.clone(), None, batch());
+    let initial = Mutex::new(initial);
+    let data = batch();
+    let runs = spawn_ranks(2, |g: LocalGroup| {
+        let model = initial.lock().unwrap().clone();
+        train(model, Some(Arc::new(g)), data.clone())
+    });
+    for run in &runs {
+        for (a, b) in run.losses.iter().zip(&reference.losses) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "losses {:?} vs one device {:?}",
+                run.losses,
+                reference.losses
+            );
+        }
+    }
+    println!(
+        "dropout 0.2 at tp 2: losses {:?} = one device's",
+        runs[0].losses
+    );
 }
 
 #[test]

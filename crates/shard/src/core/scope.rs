@@ -10,6 +10,7 @@
 //! | sharded creation | `shard` (lazy ZeRO-3 parameters) | the creation ops |
 //! | seeded draws | `masks_seeded` (feature `lowrank`) | LoRA dropout masks |
 //! | models in backward | the gradient hook (strategies) | the gradient hook |
+//! | draw group | `tensor_parallel` (strategies) | the random creation op (one draw per group) |
 //! | batch group, the statistic's pattern seen, a synced mean's mark | the step, for a model with `BufferPolicy::Sync`; the ops | `BatchNorm`'s statistics (`core::ops::batch`), kiln's burn-autodiff |
 //!
 //! Everything but the allocation tag lives in one thread-local. The tag has a thread-local of
@@ -494,4 +495,22 @@ mod tests {
         .unwrap();
         assert!(counters(100_000).is_some());
     }
+}
+
+thread_local! {
+    /// The group whose ranks must draw the same random tensors (a tensor-parallel group).
+    static DRAWS_OVER: std::cell::RefCell<Option<Arc<dyn ProcessGroup>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// From now on this thread's random tensors (dropout masks) are drawn once for `group` (by its
+/// rank 0) and broadcast, so that its ranks, which compute one model together, apply the same
+/// mask, one device's (tensor parallelism sets its group). `None` ends it.
+pub fn draw_over(group: Option<Arc<dyn ProcessGroup>>) {
+    DRAWS_OVER.with(|d| *d.borrow_mut() = group.filter(|g| g.world_size() > 1));
+}
+
+/// The group this thread's random tensors are drawn for, if any (see [`draw_over`]).
+pub fn draw_group() -> Option<Arc<dyn ProcessGroup>> {
+    DRAWS_OVER.with(|d| d.borrow().clone())
 }

@@ -216,6 +216,8 @@ where
     if let Some(e) = mapper.error {
         return Err(e);
     }
+    // The group's ranks compute one model: their random draws (dropout masks) must agree.
+    crate::core::scope::draw_over(Some(mapper.group.clone()));
     if let Some(i) = mapper.used.iter().position(|u| !u) {
         return Err(ShardError::Config(format!(
             "tensor-parallel plan pattern {:?} matches no layer of the model",

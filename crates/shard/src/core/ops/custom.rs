@@ -65,7 +65,21 @@ pub(crate) fn float_random<B: Backend>(
         let data = TensorData::random::<f32, _, _>(flat(len), distribution, &mut c.rng);
         write::<B>(data, device, dtype.into())
     })
-    .unwrap_or_else(|| ShardTensor::Local(B::float_random(shape, distribution, device, dtype)))
+    .unwrap_or_else(|| match scope::draw_group() {
+        // Ranks computing one model together draw one tensor: rank 0's, broadcast.
+        Some(group) => {
+            let t = match group.rank() {
+                0 => B::float_random(shape.clone(), distribution, device, dtype),
+                _ => B::float_zeros(shape.clone(), device, dtype),
+            };
+            let dtype = t.dtype();
+            let mut host = Host::from_data(read::<B>(t));
+            scope::waiting(|| group.broadcast(host.buf_mut(), 0))
+                .unwrap_or_else(|e| collective_failed("broadcast", &shape, group.as_ref(), e));
+            ShardTensor::Local(write::<B>(host.into_data(shape), device, dtype))
+        }
+        None => ShardTensor::Local(B::float_random(shape, distribution, device, dtype)),
+    })
 }
 
 pub(crate) fn float_zeros<B: Backend>(
