@@ -30,7 +30,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pp: Option<usize>,
     /// parallel.tp: tensor-parallel ranks (Megatron's column/row split of each block's
-    /// layers; the ranks are pp stages x data-parallel ranks x tp; not with hybrid).
+    /// layers; the ranks are pp stages x data-parallel ranks x tp).
     #[arg(long)]
     tp: Option<usize>,
     /// parallel.tp_plan: which layers tensor parallelism splits how, as pattern=style items

@@ -24,7 +24,7 @@ pub struct VerifyHfArgs {
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
     /// Tensor-parallel ranks among them (Megatron's split of the model's layers, the model's
-    /// own plan; with --strategy ddp or zero3): ranks = data-parallel ranks x tp.
+    /// own plan): ranks = data-parallel ranks x tp.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     /// With --tp: Megatron's sequence parallelism.
@@ -78,7 +78,7 @@ pub fn verify_hf(args: &VerifyHfArgs) -> Result<i32> {
                 .map_err(|e| kiln_hf::HfError::Parallel(e.to_string()))?;
             let mut parallel = Sharding::<Flex>::new(mesh.dp.clone(), strategy)?;
             if let (Some(tp), Some(tp_plan)) = (&mesh.tp, &tp_plan) {
-                parallel = parallel.with_tp(tp.clone(), tp_plan.clone())?;
+                parallel = parallel.with_tp(tp.clone(), tp_plan.clone());
             }
             kiln::shard::tp::reset_stats();
             let report = kiln_zoo::verify_dir_with::<Backend, _>(

@@ -118,12 +118,10 @@ pub fn verify_lora(args: &VerifyLoraArgs) -> Result<i32> {
     let tp = match args.tp {
         0 => bail!("--tp must be at least 1"),
         1 => None,
-        tp if !matches!(strategy, Some(Strategy::Ddp | Strategy::Zero3))
-            || !args.ranks.is_multiple_of(tp) =>
-        {
+        tp if strategy.is_none() || !args.ranks.is_multiple_of(tp) => {
             bail!(
-                "--tp {tp} needs --strategy ddp or zero3 and --ranks a multiple of it (ranks = \
-                 data-parallel ranks x tp)"
+                "--tp {tp} needs a strategy and --ranks a multiple of it (ranks = data-parallel \
+                 ranks x tp)"
             )
         }
         tp => {

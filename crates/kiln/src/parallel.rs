@@ -13,7 +13,7 @@
 //!    names by module path, over the mesh's `tp` axis (the fastest: one node). Applied after
 //!    sharding has registered the parameters (whole, or sharded under ZeRO-3: the part is then
 //!    sharded again), so that the data-parallel strategy reduces each rank's part of a split
-//!    gradient over the data-parallel group (hybrid sharding is refused with `tp > 1`);
+//!    gradient over the data-parallel group, whatever the strategy;
 //! 4. **rematerialisation** ([`Remat`]): Burn's op-level checkpointing is autodiff's type
 //!    parameter (`Train<B, BalancedCheckpointing>`, checked here against the plan); kiln's
 //!    budget goes into the step's configuration;
@@ -448,13 +448,6 @@ where
         _ => (None, model),
     };
     // 3. Tensor parallelism: checked here, applied after sharding registered the parameters.
-    if mesh.shape.tp > 1 && matches!(plan.shard.strategy, Strategy::Hybrid { .. }) {
-        return Err(ParallelError::Plan(format!(
-            "tensor parallelism (tp = {}) composes with the ddp and ZeRO strategies (and \
-             pipeline stages) in this version, not with {}",
-            mesh.shape.tp, plan.shard.strategy
-        )));
-    }
     if mesh.shape.tp > 1 && plan.tp_plan.rules.is_empty() {
         return Err(ParallelError::Plan(format!(
             "tensor parallelism (tp = {}) needs a plan: which layers to split how",

@@ -633,15 +633,6 @@ impl Recipe {
                 p.pp
             );
         }
-        if p.tp > 1 && matches!(p.strategy, Strategy::Hybrid { .. }) {
-            fail!(
-                World,
-                "parallel.tp ({}) composes with parallel.strategy ddp, zero1, zero2 and zero3 \
-                 in this version, not {}",
-                p.tp,
-                p.strategy
-            );
-        }
         let dp = world / p.pp / p.tp;
         if !self.train.batch_size.is_multiple_of(dp) {
             let ranks = match (p.pp, p.tp) {

@@ -30,13 +30,12 @@ fn part_of<B: Backend>(
     tp: usize,
 ) -> Part {
     let (copies, copy) = match t {
-        // Under tensor parallelism (the mesh's fastest axis) the data-parallel ranks of a
-        // sharding group are `tp` apart, and the ranks holding one shard are a tp group.
-        ShardTensor::Sharded(_) if tp > 1 => (tp, rank % tp),
         ShardTensor::Sharded(s) => {
-            // Sharding groups are consecutive ranks (DeviceMesh: dp_shard inside dp_replicate).
+            // The mesh is dp_replicate x dp_shard x tp, tp fastest: a sharding group's ranks
+            // are `tp` apart, and the ranks holding one shard are those of other replicas and
+            // other tp ranks.
             let size = s.group.world_size();
-            (world / size, rank / size)
+            (world / size, rank / (tp * size) * tp + rank % tp)
         }
         _ => (world, rank),
     };

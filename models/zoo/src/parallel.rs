@@ -44,17 +44,9 @@ impl<B> Sharding<B> {
     /// Tensor parallelism over `tp` as `plan` says, applied after the strategy (over `group`,
     /// the data-parallel ranks) registered the parameters.
     ///
-    /// # Errors
-    /// [`HfError::Parallel`] for a strategy other than DDP.
-    pub fn with_tp(mut self, tp: Arc<dyn ProcessGroup>, plan: TpPlan) -> Result<Self, HfError> {
-        if !matches!(self.strategy, Strategy::Ddp | Strategy::Zero3) {
-            return Err(HfError::Parallel(format!(
-                "tensor parallelism composes with ddp and zero3 in this version, not {}",
-                self.strategy
-            )));
-        }
+    pub fn with_tp(mut self, tp: Arc<dyn ProcessGroup>, plan: TpPlan) -> Self {
         self.tp = Some((tp, plan));
-        Ok(self)
+        self
     }
 }
 
