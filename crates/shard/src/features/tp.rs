@@ -328,17 +328,30 @@ fn part<B: Backend>(t: Prim<B>, split: Split, group: &dyn ProcessGroup) -> Prim<
         s[d] = Slice::from(rank * c..(rank + 1) * c);
         return B::float_slice(t, &s);
     }
-    // [.., k * n * c, ..] -> [.., k, n, c, ..], take rank along n, back to [.., k * c, ..].
-    let mut split_dims = dims[..d].to_vec();
-    split_dims.extend([split.blocks, n, c]);
-    split_dims.extend(&dims[d + 1..]);
-    let t = B::float_reshape(t, Shape::from(split_dims.clone()));
-    let mut s: Vec<Slice> = split_dims.iter().map(|&m| Slice::from(0..m)).collect();
-    s[d + 1] = Slice::from(rank..rank + 1);
-    let t = B::float_slice(t, &s);
-    let mut out = dims.clone();
+    let (blocked, slices, out) = part_plan(&dims, split, c, n, rank);
+    let t = B::float_slice(B::float_reshape(t, blocked), &slices);
+    B::float_reshape(t, out)
+}
+
+/// How a rank's part is cut from a tensor of `dims` split in blocks: `[.., k * n * c, ..]`
+/// viewed as `[.., k, n, c, ..]`, the slice taking `rank` along `n`, and the part's shape
+/// `[.., k * c, ..]`.
+fn part_plan(
+    dims: &[usize],
+    split: Split,
+    c: usize,
+    n: usize,
+    rank: usize,
+) -> (Shape, Vec<Slice>, Shape) {
+    let d = split.dim;
+    let mut blocked = dims[..d].to_vec();
+    blocked.extend([split.blocks, n, c]);
+    blocked.extend(&dims[d + 1..]);
+    let mut slices: Vec<Slice> = blocked.iter().map(|&m| Slice::from(0..m)).collect();
+    slices[d + 1] = Slice::from(rank..rank + 1);
+    let mut out = dims.to_vec();
     out[d] = split.blocks * c;
-    B::float_reshape(t, Shape::from(out))
+    (Shape::from(blocked), slices, Shape::from(out))
 }
 
 /// Why a split tensor is formed whole.
@@ -387,18 +400,9 @@ fn part_int<B: Backend>(
 ) -> <B as burn_backend::BackendTypes>::IntTensorPrimitive {
     let (n, rank) = (group.world_size(), group.rank());
     let dims = t.shape().as_slice().to_vec();
-    let d = split.dim;
-    let c = dims[d] / (split.blocks * n);
-    let mut split_dims = dims[..d].to_vec();
-    split_dims.extend([split.blocks, n, c]);
-    split_dims.extend(&dims[d + 1..]);
-    let t = B::int_reshape(t, Shape::from(split_dims.clone()));
-    let mut s: Vec<Slice> = split_dims.iter().map(|&m| Slice::from(0..m)).collect();
-    s[d + 1] = Slice::from(rank..rank + 1);
-    let t = B::int_slice(t, &s);
-    let mut out = dims.clone();
-    out[d] = split.blocks * c;
-    B::int_reshape(t, Shape::from(out))
+    let c = dims[split.dim] / (split.blocks * n);
+    let (blocked, slices, out) = part_plan(&dims, split, c, n, rank);
+    B::int_reshape(B::int_slice(B::int_reshape(t, blocked), &slices), out)
 }
 
 /// The whole tensor from every rank's part: one all-gather.
