@@ -45,7 +45,7 @@ max_pool1d_with_indices max_pool1d_with_indices_backward max_pool2d_with_indices
 max_pool2d_with_indices_backward deform_conv2d_backward quantize
 float_reshape float_swap_dims float_transpose float_permute float_slice float_expand
 linear linear_x_backward linear_weight_backward linear_bias_backward float_exp sigmoid float_mean_dim
-float_matmul float_slice_assign float_gather embedding
+float_matmul float_slice_assign float_gather embedding float_cat
 """.split())
 
 # Contractions: their recomputation costs output elements x the contracted dimension (for

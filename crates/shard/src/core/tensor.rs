@@ -126,6 +126,11 @@ pub trait Deferred<B: Backend>: Any + Send + Sync + std::fmt::Debug {
     ) -> Option<ShardTensor<B>> {
         None
     }
+    /// `cat(tensors, dim)` where `self` is one of `tensors`, computed without forming the
+    /// values, or `None`.
+    fn cat(&self, _tensors: &[ShardTensor<B>], _dim: usize) -> Option<ShardTensor<B>> {
+        None
+    }
     /// `gather(dim, self, indices)`, computed without forming the value.
     fn take(
         &self,

@@ -216,7 +216,7 @@ impl<B: Backend> Placed<B> {
     /// with the same part: q, k and v reading one input gather it once, and a row-parallel
     /// layer's output gradient serves its input gradient, then its weight gradient.
     fn gathered_input(&self, x: ShardTensor<B>, keep: bool) -> Result<Prim<B>, ShardTensor<B>> {
-        match x {
+        match replicated::<B>(x) {
             ShardTensor::Local(x) => Ok(x),
             x => match x.deferred::<Placed<B>>() {
                 Some(p)
@@ -253,7 +253,7 @@ impl<B: Backend> Placed<B> {
     /// whole) or a part of a tensor split the same way.
     fn matching(&self, other: ShardTensor<B>) -> Result<Prim<B>, ShardTensor<B>> {
         let d = self.split.dim;
-        match other {
+        match replicated::<B>(other) {
             ShardTensor::Local(o) => {
                 let os = o.shape();
                 if os.num_dims() != self.shape.num_dims() {
@@ -300,6 +300,20 @@ impl<B: Backend> Placed<B> {
     /// The sum over the group of this rank's partial `t`: one all-reduce.
     fn reduce(&self, t: Prim<B>) -> Prim<B> {
         all_reduce::<B>(t, self.group.as_ref())
+    }
+}
+
+/// `t` as a replicated tensor when it is another feature's deferred value standing for a whole
+/// one (an activation under kiln's rematerialisation, formed or recomputed here, as any op
+/// would); split parts, pending sums and shards unchanged.
+fn replicated<B: Backend>(t: ShardTensor<B>) -> ShardTensor<B> {
+    match &t {
+        ShardTensor::Deferred(d)
+            if !d.is_sharded() && d.part().is_none() && t.deferred::<Partial<B>>().is_none() =>
+        {
+            ShardTensor::Local(t.into_whole())
+        }
+        _ => t,
     }
 }
 
@@ -776,6 +790,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         self_lhs: bool,
         f: &Binary<B>,
     ) -> Result<ShardTensor<B>, ShardTensor<B>> {
+        let other = replicated::<B>(other);
         let r = self.shape.num_dims();
         let d = self.split.dim;
         let run = |a: Prim<B>, b: Prim<B>| if self_lhs { f(a, b) } else { f(b, a) };
@@ -817,6 +832,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         if self.shape.num_dims() != 2 {
             return Err((x, bias));
         }
+        let x = replicated::<B>(x);
         let last = x.shape().num_dims() - 1;
         if self.split.dim == 1 {
             // Column parallel: x replicated (gathered along the sequence under sequence
@@ -897,6 +913,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         if self.shape.num_dims() != 2 {
             return Err(dy);
         }
+        let dy = replicated::<B>(dy);
         let last = dy.shape().num_dims() - 1;
         let out = Split {
             dim: last,
@@ -941,6 +958,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         // Writing a split part into a tensor (the backward of slicing whole blocks, GPT-2's
         // q, k, v out of the fused projection): the target is split in blocks of the part's
         // block size, and the part lands in its own blocks.
+        let target = replicated::<B>(target);
         let d = self.split.dim;
         let dims = target.shape().as_slice().to_vec();
         if dims.len() != self.shape.num_dims() {
@@ -1039,6 +1057,23 @@ impl<B: Backend> Deferred<B> for Placed<B> {
             // Split along the tokens: every rank's sum is a term of the bias gradient.
             false => Partial::wrap(g, self.group.clone()),
         })
+    }
+    fn cat(&self, tensors: &[ShardTensor<B>], dim: usize) -> Option<ShardTensor<B>> {
+        // Along another dimension than the split one: the parts joined (a replicated operand
+        // cut to this rank's part).
+        if dim == self.split.dim {
+            return None;
+        }
+        let parts = tensors
+            .iter()
+            .map(|t| self.matching(t.clone()).ok())
+            .collect::<Option<Vec<_>>>()?;
+        // A replicated operand broadcasting along the split dimension is not a part.
+        let size = self.store.shape()[self.split.dim];
+        if parts.iter().any(|p| p.shape()[self.split.dim] != size) {
+            return None;
+        }
+        Some(self.same_with(B::float_cat(parts, dim), false))
     }
     fn embed(
         &self,
@@ -1257,7 +1292,7 @@ impl<B: Backend> Deferred<B> for Partial<B> {
         // (autodiff accumulating the gradients of an input read by several layers, and by the
         // residual connection).
         let linear = matches!(current_op(), "float_add" | "float_sub") && !self.reduced();
-        let o = match other {
+        let o = match replicated::<B>(other) {
             // A replicated term joins the sum once: rank 0 adds it, the others add zeros.
             ShardTensor::Local(o) if linear && self.group.rank() == 0 => Some(o),
             ShardTensor::Local(o) if linear => {
@@ -1292,6 +1327,67 @@ impl<B: Backend> Deferred<B> for Partial<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    type F = burn::backend::Flex;
+    type S = crate::core::backend::Shard<F>;
+
+    /// Ops on parts split over 2 ranks equal the ops on the whole tensor, with no tensor
+    /// formed whole: cat along another dimension, a slice of whole blocks, a reshape merging
+    /// the split dimension, a sum along it (a pending sum).
+    #[test]
+    fn parts_follow_the_ops() {
+        use burn_backend::Distribution;
+        use burn_backend::ops::FloatTensorOps;
+        let device = Default::default();
+        let whole = <F as FloatTensorOps<F>>::float_random(
+            Shape::new([2, 3, 12]),
+            Distribution::Default,
+            &device,
+            burn_std::FloatDType::F32,
+        );
+        let data = crate::core::host::read::<F>(whole.clone());
+        let read = |t: ShardTensor<F>| crate::core::host::read::<F>(t.into_whole());
+        let results = kiln_comm::spawn_ranks(2, |g: kiln_comm::LocalGroup| {
+            reset_stats();
+            let group: Arc<dyn ProcessGroup> = Arc::new(g);
+            let whole = crate::core::host::write::<F>(data.clone(), &device, DType::F32);
+            let split = Split { dim: 2, blocks: 3 };
+            let p = || {
+                ShardTensor::Deferred(Arc::new(Placed::<F>::from_whole(
+                    whole.clone(),
+                    split,
+                    group.clone(),
+                )))
+            };
+            let cat = S::float_cat(vec![p(), ShardTensor::Local(whole.clone())], 1);
+            let block = S::float_slice(
+                p(),
+                &[Slice::from(0..2), Slice::from(0..3), Slice::from(4..8)],
+            );
+            let merged = S::float_reshape(p(), Shape::new([6, 12]));
+            let formed = stats().total_gathers();
+            (read(cat), read(block), read(merged), formed)
+        });
+        let w = |t| crate::core::host::read::<F>(t);
+        let cat = w(<F as FloatTensorOps<F>>::float_cat(
+            vec![whole.clone(), whole.clone()],
+            1,
+        ));
+        let block = w(<F as FloatTensorOps<F>>::float_slice(
+            whole.clone(),
+            &[Slice::from(0..2), Slice::from(0..3), Slice::from(4..8)],
+        ));
+        let merged = w(<F as FloatTensorOps<F>>::float_reshape(
+            whole.clone(),
+            Shape::new([6, 12]),
+        ));
+        for (c, b, m, formed) in results {
+            assert_eq!(formed, 0, "no part formed whole by the ops");
+            c.assert_eq(&cat, true);
+            b.assert_eq(&block, true);
+            m.assert_eq(&merged, true);
+        }
+    }
 
     #[test]
     fn reshapes_keep_whole_chunks() {

@@ -580,6 +580,24 @@ pub(crate) fn float_slice_assign<B: Backend>(
     })
 }
 
+/// `cat`: a deferred operand may join them without forming them (tensor-parallel parts split
+/// along another dimension).
+pub(crate) fn float_cat<B: Backend>(
+    tensors: Vec<FloatTensor<Shard<B>>>,
+    dim: usize,
+) -> FloatTensor<Shard<B>> {
+    let deferred = tensors.iter().find_map(|t| match t {
+        ShardTensor::Deferred(d) => Some(d.clone()),
+        _ => None,
+    });
+    if let Some(d) = deferred
+        && let Some(t) = d.cat(&tensors, dim)
+    {
+        return t;
+    }
+    record(tensors, move |t| B::float_cat(t, dim))
+}
+
 /// `gather` along `dim`: a deferred value may take its own elements (a tensor-parallel part
 /// split along another dimension).
 pub(crate) fn float_gather<B: Backend>(

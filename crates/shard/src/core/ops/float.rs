@@ -571,13 +571,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
         op_name("float_cat");
-        let n_tensors = tensors.len();
-        let mut inputs = Vec::new();
-        inputs.extend(tensors);
-        record(inputs, move |t| {
-            let mut t = t.into_iter();
-            B::float_cat(t.by_ref().take(n_tensors).collect(), dim.clone())
-        })
+        custom::float_cat::<B>(tensors, dim)
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
         op_name("float_argmax");
