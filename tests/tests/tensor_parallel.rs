@@ -7,7 +7,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
-use kiln::shard::check::params;
+use kiln::shard::check::{params, rel};
 use kiln::shard::tp::{TpStats, reset_stats, stats};
 use kiln::shard::{TpPlan, TpStyle, tensor_parallel};
 use kiln::{Flex, Train};
@@ -103,9 +103,7 @@ fn check<M: AutodiffModule<B> + Clone + Send>(
                 worst = worst.max((a - b).abs() / b.abs());
             }
             for (p, q) in run.params.iter().zip(&reference.params) {
-                let diff: f32 = p.iter().zip(q).map(|(a, b)| (a - b).powi(2)).sum();
-                let norm: f32 = q.iter().map(|b| b * b).sum();
-                worst = worst.max((diff / norm.max(1e-24)).sqrt());
+                worst = worst.max(rel(p, q) as f32);
             }
             assert!(
                 worst <= 1e-5,

@@ -12,7 +12,7 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor, TensorData};
 use kiln_comm::{LocalGroup, ProcessGroup, spawn_ranks};
-use kiln_shard::check::{Train, params};
+use kiln_shard::check::{Train, params, rel};
 use kiln_shard::tp::{TpStats, reset_stats, stats};
 use kiln_shard::{TpPlan, TpStyle, tensor_parallel};
 use std::sync::{Arc, Mutex};
@@ -146,9 +146,7 @@ fn burn_nn_transformer_under_a_path_plan_equals_one_device() {
             }
             // Per parameter tensor: the norm of the difference over the reference's norm.
             for (p, q) in run.params.iter().zip(&reference.params) {
-                let diff: f32 = p.iter().zip(q).map(|(a, b)| (a - b).powi(2)).sum();
-                let norm: f32 = q.iter().map(|b| b * b).sum();
-                worst = worst.max((diff / norm.max(1e-24)).sqrt());
+                worst = worst.max(rel(p, q) as f32);
             }
             assert!(
                 worst <= 1e-5,

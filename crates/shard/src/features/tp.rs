@@ -21,7 +21,7 @@
 
 use crate::core::dtype::promote2;
 use crate::core::host::{Host, collective_failed, read, slice_local, write};
-use crate::core::ops::custom::{linear_prims, weight_grad_prims};
+use crate::core::ops::custom::{float_is_require_grad, linear_prims, weight_grad_prims};
 use crate::core::ops::policy::binary;
 use crate::core::ops::policy::current_op;
 use crate::core::ops::{local, unary};
@@ -156,10 +156,7 @@ impl<B: Backend> Placed<B> {
     /// This rank's part, whole (gathered over the data-parallel group when it is sharded
     /// there: a parameter under ZeRO-3, on use).
     fn value_part(&self) -> Prim<B> {
-        match &self.store {
-            ShardTensor::Local(t) => t.clone(),
-            s => local(s.clone()),
-        }
+        local(self.store.clone())
     }
 
     /// The part as held, with a layout op or new values applied to the shard when it is
@@ -184,22 +181,10 @@ impl<B: Backend> Placed<B> {
         Self::from_part(local, split, group)
     }
 
-    /// How it is split.
-    pub fn split(&self) -> Split {
-        self.split
-    }
-
-    /// This rank's part.
-    pub fn part(&self) -> Prim<B> {
-        self.value_part()
-    }
-
+    /// A part split by `split` over this tensor's group (an op's result split otherwise).
     fn wrap(&self, local: Prim<B>, split: Split) -> ShardTensor<B> {
-        ShardTensor::Deferred(Arc::new(Placed::from_part(
-            local,
-            split,
-            self.group.clone(),
-        )))
+        let p = Placed::from_part(local, split, self.group.clone());
+        ShardTensor::Deferred(Arc::new(p))
     }
 
     /// The dimension sequence parallelism splits in a layer's input or output of `dims`
@@ -244,8 +229,7 @@ impl<B: Backend> Placed<B> {
     }
 
     fn same_with(&self, local: Prim<B>, sequence: bool) -> ShardTensor<B> {
-        let p = Placed::from_part(local, self.split, self.group.clone());
-        ShardTensor::Deferred(Arc::new(p.with_sequence(sequence)))
+        self.same_store(ShardTensor::Local(local), sequence)
     }
 
     /// The part of `other` matching this tensor's split, when `other` is a replicated tensor
@@ -680,11 +664,7 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         self.store.local_bytes()
     }
     fn is_require_grad(&self) -> bool {
-        match &self.store {
-            ShardTensor::Local(t) => B::float_is_require_grad(t),
-            ShardTensor::Sharded(s) => B::float_is_require_grad(&s.shard),
-            ShardTensor::Deferred(d) => d.is_require_grad(),
-        }
+        float_is_require_grad::<B>(&self.store)
     }
     fn elementwise(&self, f: &Elementwise<B>) -> Option<ShardTensor<B>> {
         Some(match &self.store {

@@ -230,11 +230,16 @@ fn reduce_all<B: Backend>(
             return ShardTensor::Local(local_op(s.shard));
         }
         ShardTensor::Sharded(s) => s,
-        ShardTensor::Deferred(d) if op == ReduceOp::Sum && d.sum().is_some() => {
-            return d.sum().expect("a sum");
+        // A deferred value may sum itself without being formed; a view may slice or expand:
+        // reduce what it shows.
+        ShardTensor::Deferred(d) => {
+            if op == ReduceOp::Sum
+                && let Some(sum) = d.sum()
+            {
+                return sum;
+            }
+            return ShardTensor::Local(local_op(local(ShardTensor::Deferred(d))));
         }
-        // A view may slice or expand: reduce what it shows.
-        d @ ShardTensor::Deferred(_) => return ShardTensor::Local(local_op(local(d))),
     };
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
@@ -265,11 +270,14 @@ pub(crate) fn float_mean<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTens
             let sum = local(float_sum::<B>(ShardTensor::Sharded(s)));
             ShardTensor::Local(B::float_div_scalar(sum, (n as f64).into()))
         }
-        ShardTensor::Deferred(d) if d.sum().is_some() => {
+        ShardTensor::Deferred(d) => {
             let n = d.shape().num_elements();
-            super::policy::unary(d.sum().expect("a sum"), move |t| {
-                B::float_div_scalar(t, (n as f64).into())
-            })
+            match d.sum() {
+                Some(sum) => {
+                    super::policy::unary(sum, move |t| B::float_div_scalar(t, (n as f64).into()))
+                }
+                None => ShardTensor::Local(B::float_mean(local(ShardTensor::Deferred(d)))),
+            }
         }
         t => ShardTensor::Local(B::float_mean(local(t))),
     }
