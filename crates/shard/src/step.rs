@@ -222,7 +222,8 @@ where
     // Forward, backward and the optimizer step under the precision policy (the optimizer's
     // elementwise updates are not compute-bound ops, so they stay f32).
     register_autocast::<B>();
-    autocast(config.precision, move || {
+    crate::features::account::step_mark(true);
+    let done = autocast(config.precision, move || {
         let probe = MemoryProbe::start();
         let pool = config.remat_budget.map(Pool::new);
         let scale = config.loss_scale.map(|s| s.scale);
@@ -296,7 +297,9 @@ where
                 skipped: false,
             },
         ))
-    })
+    });
+    crate::features::account::step_mark(false);
+    done
 }
 
 /// The global gradient norm: over every rank and shard of the model, and over the stages

@@ -18,6 +18,9 @@ pub struct RunOptions {
     /// A restart of a job (by `kiln launch --max-restarts`): continue from the newest snapshot
     /// if there is one (on disk, or in memory), else start afresh.
     pub restart: bool,
+    /// Run the steps and measure them, nothing else: no validation, sample, snapshot or
+    /// output (`kiln plan` runs a job's steps on shapes).
+    pub steps_only: bool,
 }
 
 /// What a rank's run did.

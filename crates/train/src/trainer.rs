@@ -209,6 +209,8 @@ type Optim<B, C, M> = ShardedOptimizer<OptimizerAdaptor<AdamW, M, Train<B, C>>, 
 
 /// One rank's run: set up by [`Trainer::new`], driven by [`Trainer::run`].
 pub(crate) struct Trainer<'a, B: Backend, C: CheckpointStrategy, P: Trained<B, C>> {
+    /// [`RunOptions::steps_only`].
+    steps_only: bool,
     recipe: &'a Recipe,
     config: ModelConfig,
     tokenizer: &'a Tokenizer,
@@ -330,6 +332,7 @@ where
         let metrics = Metrics::new(rank == 0, first_step, &out.join("metrics.jsonl"))?;
         let last_step = options.stop_after.map_or(t.steps, |s| s.min(t.steps));
         let mut trainer = Trainer {
+            steps_only: options.steps_only,
             recipe,
             config,
             tokenizer,
@@ -391,7 +394,7 @@ where
     /// snapshots, and the end.
     fn run(mut self) -> Result<Summary> {
         let t = &self.recipe.train;
-        if self.first_step == 0 && self.recipe.lora.is_some() {
+        if self.first_step == 0 && self.recipe.lora.is_some() && !self.steps_only {
             self.done.val_loss_before = self.validate(0)?;
             if t.sample_chars > 0 {
                 self.done.sample_before = Some(self.sample()?);
@@ -399,6 +402,9 @@ where
         }
         for step in self.first_step + 1..=self.last_step {
             self.step(step)?;
+            if self.steps_only {
+                continue;
+            }
             if t.eval_every > 0 && step.is_multiple_of(t.eval_every) || step == self.last_step {
                 self.done.val_loss = self.validate(step)?;
                 self.done.evaluated_at = Some(step);
@@ -671,15 +677,15 @@ where
                     .io(|| format!("cannot remove {}", memory.display()))?;
             }
         }
-        if self.done.evaluated_at != Some(last_step) {
+        if self.done.evaluated_at != Some(last_step) && !self.steps_only {
             self.done.val_loss = self.validate_quietly()?;
         }
-        let sample = match t.sample_chars > 0 && last_step == t.steps {
+        let sample = match t.sample_chars > 0 && last_step == t.steps && !self.steps_only {
             true => Some(self.sample()?),
             false => None,
         };
         let rank = self.mesh.world.rank();
-        let outputs = match last_step == t.steps {
+        let outputs = match last_step == t.steps && !self.steps_only {
             true => self
                 .trained
                 .finish(self.model(), self.recipe, rank, self.pipe.as_ref())?,

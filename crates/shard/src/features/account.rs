@@ -326,3 +326,52 @@ impl MemoryProbe {
         }
     }
 }
+
+/// Bytes that exist only as a count: a shape-only backend's tensors (`kiln plan`) hold no data,
+/// but the memory they stand for is counted as [`RankAlloc`] counts a real allocation, to the
+/// rank and [`MemKind`] of the thread that makes it, and uncounted when the last holder drops
+/// it. So a step run on shapes fills the same per-rank counters a real step does.
+#[derive(Debug)]
+pub struct Counted {
+    bytes: usize,
+    tag: Tag,
+}
+
+impl Counted {
+    /// `bytes` counted now to this thread's rank and kind (to nobody when the thread has no
+    /// rank).
+    pub fn new(bytes: usize) -> Counted {
+        let tag = scope::tag();
+        RankAlloc::count(tag, bytes, true);
+        if tag.counters().is_some() {
+            RANK_ALLOC_IN_USE.store(true, Relaxed);
+        }
+        Counted { bytes, tag }
+    }
+
+    /// The bytes counted.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        RankAlloc::count(self.tag, self.bytes, false);
+    }
+}
+
+static STEP_OBSERVER: std::sync::OnceLock<fn(bool)> = std::sync::OnceLock::new();
+
+/// Has `f` called on the rank's thread when each training step ([`step_with`]
+/// (crate::step_with)) begins (`true`) and ends (`false`): `kiln plan` cuts its log of a
+/// simulated rank's work into steps with it. The first observer set stays.
+pub fn observe_steps(f: fn(bool)) {
+    let _ = STEP_OBSERVER.set(f);
+}
+
+pub(crate) fn step_mark(begin: bool) {
+    if let Some(f) = STEP_OBSERVER.get() {
+        f(begin);
+    }
+}

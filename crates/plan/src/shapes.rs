@@ -1,0 +1,390 @@
+//! `Shapes`: a Burn backend whose tensors are a shape and a dtype, no data.
+//!
+//! It is Burn's router ([`BackendRouter`]) over a runner of kiln's: the router's front end
+//! builds each op's intermediate representation with burn-ir's builders, which compute every
+//! output's shape and dtype (the same code Burn's fusion and remote backends use), and hands it
+//! to [`ShapesClient::register_op`], which runs nothing. Instead it
+//! - counts the memory the op's outputs would take, as a [`Counted`] for the rank and memory
+//!   kind of the thread that asked (so kiln's per-rank counters fill exactly as in a real step),
+//!   kept while any tensor holds it: views (reshape, permute, swap, expand, slice) share their
+//!   input's memory, and an elementwise op whose input is consumed and of the output's size
+//!   writes in place, as Burn's CPU backend does;
+//! - counts the op's work for the rank: floating-point operations (matmul, linear and its
+//!   gradients, convolutions: 2 per multiply-add; everything else one per output element) and
+//!   bytes read and written, by the dtype it computes in.
+//!
+//! Reading a tensor gives zeros of its shape and dtype (so host-side code, collectives on host
+//! buffers and checks run unchanged; their values mean nothing).
+
+use burn_backend::backend::{DeviceId, DeviceOps, ExecutionError};
+use burn_backend::{DType, DTypeUsage, DTypeUsageSet, Shape, TensorData};
+use burn_ir::{
+    BaseOperationIr, FloatOperationIr, ModuleOperationIr, NumericOperationIr, OperationIr,
+    TensorId, TensorIr, TensorStatus,
+};
+use burn_router::{BackendRouter, MultiBackendBridge, RouterTensor, RunnerChannel, RunnerClient};
+use burn_std::future::DynFut;
+use kiln_shard::account::{Counted, current_rank};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+/// The shape-only backend: `Autodiff<Shard<Shapes>>` runs kiln's real step on shapes.
+pub type Shapes = BackendRouter<ShapesChannel>;
+
+/// The one device of [`Shapes`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShapesDevice;
+
+impl burn_std::device::Device for ShapesDevice {
+    fn from_id(_: DeviceId) -> Self {
+        ShapesDevice
+    }
+    fn to_id(&self) -> DeviceId {
+        DeviceId::new(0, 0)
+    }
+}
+
+impl DeviceOps for ShapesDevice {}
+
+/// The router channel of [`Shapes`]: one [`ShapesClient`], nothing to bridge.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ShapesChannel;
+
+/// No other backend to move tensors to.
+#[derive(Debug)]
+pub struct NoBridge;
+
+impl MultiBackendBridge for NoBridge {
+    type TensorHandle = ();
+    type Device = ShapesDevice;
+
+    fn change_backend_float(_: (), _: Shape, _: &ShapesDevice) {}
+    fn change_backend_int(_: (), _: Shape, _: &ShapesDevice) {}
+    fn change_backend_bool(_: (), _: Shape, _: &ShapesDevice) {}
+}
+
+impl RunnerChannel for ShapesChannel {
+    type Device = ShapesDevice;
+    type Bridge = NoBridge;
+    type Client = ShapesClient;
+    type FloatElem = f32;
+    type IntElem = i64;
+    type BoolElem = bool;
+
+    fn name(_: &ShapesDevice) -> String {
+        "shapes".into()
+    }
+
+    fn init_client(_: &ShapesDevice) -> ShapesClient {
+        ShapesClient::default()
+    }
+
+    fn get_tensor_handle(_: &TensorIr, _: &ShapesClient) {}
+
+    fn register_tensor(
+        client: &ShapesClient,
+        _: (),
+        shape: Shape,
+        dtype: DType,
+    ) -> RouterTensor<ShapesClient> {
+        client.new_tensor(shape, dtype)
+    }
+}
+
+/// The work of ops, summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Work {
+    /// Floating-point operations of contractions (matmul, linear, convolutions) computing in
+    /// f32 or wider.
+    pub flops_f32: f64,
+    /// Floating-point operations of contractions computing in a 16-bit dtype (bf16, f16).
+    pub flops_half: f64,
+    /// Operations of everything else (one per output element).
+    pub elementwise: f64,
+    /// Bytes the ops other than contractions read and wrote (views move none).
+    pub bytes: f64,
+    /// Ops run.
+    pub ops: u64,
+    /// Ops that were contractions.
+    pub contractions: u64,
+}
+
+impl Work {
+    fn add(&mut self, o: &Work) {
+        self.flops_f32 += o.flops_f32;
+        self.flops_half += o.flops_half;
+        self.elementwise += o.elementwise;
+        self.bytes += o.bytes;
+        self.ops += o.ops;
+        self.contractions += o.contractions;
+    }
+
+    /// All contraction FLOPs.
+    pub fn flops(&self) -> f64 {
+        self.flops_f32 + self.flops_half
+    }
+}
+
+/// Work counted per rank (by the thread's rank; `usize::MAX` for threads of no rank).
+static WORK: Mutex<Vec<(usize, Work)>> = Mutex::new(Vec::new());
+
+/// The work counted for `rank` since the last [`reset_work`].
+pub fn work_of(rank: usize) -> Work {
+    lock(&WORK)
+        .iter()
+        .find(|(r, _)| *r == rank)
+        .map(|(_, w)| *w)
+        .unwrap_or_default()
+}
+
+/// Forgets the work counted for `rank`.
+pub fn reset_work(rank: usize) {
+    lock(&WORK).retain(|(r, _)| *r != rank);
+}
+
+fn count_work(w: &Work) {
+    let rank = current_rank().unwrap_or(usize::MAX);
+    let mut all = lock(&WORK);
+    match all.iter_mut().find(|(r, _)| *r == rank) {
+        Some((_, mine)) => mine.add(w),
+        None => all.push((rank, *w)),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The runner of [`Shapes`]: tensors are ids mapped to the memory they stand for.
+#[derive(Debug, Clone, Default)]
+pub struct ShapesClient {
+    state: Arc<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next: AtomicU64,
+    tensors: Mutex<HashMap<TensorId, Arc<Counted>>>,
+}
+
+fn bytes_of(shape: &Shape, dtype: DType) -> usize {
+    shape.num_elements() * dtype.size()
+}
+
+impl ShapesClient {
+    fn new_tensor(&self, shape: Shape, dtype: DType) -> RouterTensor<ShapesClient> {
+        let id = self.create_empty_handle();
+        let memory = Arc::new(Counted::new(bytes_of(&shape, dtype)));
+        lock(&self.state.tensors).insert(id, memory);
+        RouterTensor::new(id, shape, dtype, self.clone())
+    }
+}
+
+/// Whether an op's output is a view of its (first) input: no memory of its own.
+fn is_view(op: &OperationIr) -> bool {
+    let base = match op {
+        OperationIr::BaseFloat(b) | OperationIr::BaseInt(b) | OperationIr::BaseBool(b) => b,
+        _ => return false,
+    };
+    matches!(
+        base,
+        BaseOperationIr::Reshape(_)
+            | BaseOperationIr::SwapDims(_)
+            | BaseOperationIr::Permute(_)
+            | BaseOperationIr::Expand(_)
+            | BaseOperationIr::Slice(_)
+    )
+}
+
+/// Whether an op is elementwise (its output may overwrite a consumed input of its size).
+fn is_elementwise(op: &OperationIr) -> bool {
+    match op {
+        OperationIr::NumericFloat(_, n) | OperationIr::NumericInt(_, n) => matches!(
+            n,
+            NumericOperationIr::Add(_)
+                | NumericOperationIr::AddScalar(_)
+                | NumericOperationIr::Sub(_)
+                | NumericOperationIr::SubScalar(_)
+                | NumericOperationIr::Mul(_)
+                | NumericOperationIr::MulScalar(_)
+                | NumericOperationIr::Div(_)
+                | NumericOperationIr::DivScalar(_)
+                | NumericOperationIr::Abs(_)
+                | NumericOperationIr::Clamp(_)
+        ),
+        OperationIr::Float(_, f) => matches!(
+            f,
+            FloatOperationIr::Exp(_)
+                | FloatOperationIr::Log(_)
+                | FloatOperationIr::Log1p(_)
+                | FloatOperationIr::Erf(_)
+                | FloatOperationIr::Sqrt(_)
+                | FloatOperationIr::Tanh(_)
+                | FloatOperationIr::Recip(_)
+                | FloatOperationIr::PowfScalar(_)
+                | FloatOperationIr::Cos(_)
+                | FloatOperationIr::Sin(_)
+        ),
+        _ => false,
+    }
+}
+
+fn dims(t: &TensorIr) -> &[usize] {
+    t.shape.as_slice()
+}
+
+fn last(t: &TensorIr) -> f64 {
+    dims(t).last().copied().unwrap_or(1) as f64
+}
+
+fn numel(t: &TensorIr) -> f64 {
+    t.shape.num_elements() as f64
+}
+
+/// Multiply-adds x 2 of a contraction, and the dtype it computes in; `None` for other ops.
+fn contraction(op: &OperationIr) -> Option<(f64, DType)> {
+    use ModuleOperationIr as M;
+    let (flops, dtype) = match op {
+        OperationIr::Float(dtype, FloatOperationIr::Matmul(m)) => {
+            (2.0 * numel(&m.out) * last(&m.lhs), *dtype)
+        }
+        OperationIr::Module(m) => match m {
+            // weight [in, out]
+            M::Linear(l) => (2.0 * numel(&l.out) * last(&l.x), l.out.dtype),
+            M::LinearXBackward(l) => (2.0 * numel(&l.out) * last(&l.output_grad), l.out.dtype),
+            M::LinearWeightBackward(l) => (2.0 * numel(&l.x) * last(&l.output_grad), l.out.dtype),
+            M::Conv1d(c) => (conv(&c.out, &c.weight), c.out.dtype),
+            M::Conv2d(c) => (conv(&c.out, &c.weight), c.out.dtype),
+            M::Conv3d(c) => (conv(&c.out, &c.weight), c.out.dtype),
+            M::ConvTranspose1d(c) => (conv(&c.x, &c.weight), c.out.dtype),
+            M::ConvTranspose2d(c) => (conv(&c.x, &c.weight), c.out.dtype),
+            M::ConvTranspose3d(c) => (conv(&c.x, &c.weight), c.out.dtype),
+            M::Conv1dXBackward(c) => (conv(&c.output_grad, &c.weight), c.out.dtype),
+            M::Conv2dXBackward(c) => (conv(&c.output_grad, &c.weight), c.out.dtype),
+            M::Conv3dXBackward(c) => (conv(&c.output_grad, &c.weight), c.out.dtype),
+            M::Conv1dWeightBackward(c) => (conv(&c.output_grad, &c.weight), c.out.dtype),
+            M::Conv2dWeightBackward(c) => (conv(&c.output_grad, &c.weight), c.out.dtype),
+            M::Conv3dWeightBackward(c) => (conv(&c.output_grad, &c.weight), c.out.dtype),
+            _ => return None,
+        },
+        _ => return None,
+    };
+    Some((flops, dtype))
+}
+
+/// 2 x output elements x (input channels per group x kernel elements): the weight is
+/// [out channels, in channels / groups, kernel...].
+fn conv(out: &TensorIr, weight: &TensorIr) -> f64 {
+    let w = dims(weight);
+    let per_output = w.iter().skip(1).product::<usize>() as f64;
+    2.0 * numel(out) * per_output
+}
+
+impl RunnerClient for ShapesClient {
+    type Device = ShapesDevice;
+
+    fn register_op(&self, op: OperationIr) {
+        if let OperationIr::Drop(t) = &op {
+            lock(&self.state.tensors).remove(&t.id);
+            return;
+        }
+        let mut work = Work {
+            ops: 1,
+            ..Work::default()
+        };
+        match contraction(&op) {
+            Some((flops, dtype)) => {
+                work.contractions = 1;
+                match dtype.size() <= 2 {
+                    true => work.flops_half = flops,
+                    false => work.flops_f32 = flops,
+                }
+            }
+            None if is_view(&op) => {}
+            None => {
+                work.elementwise = op.outputs().map(numel).sum();
+                work.bytes = op
+                    .inputs()
+                    .chain(op.outputs())
+                    .map(|t| bytes_of(&t.shape, t.dtype) as f64)
+                    .sum();
+            }
+        }
+        count_work(&work);
+
+        let mut tensors = lock(&self.state.tensors);
+        let inputs: Vec<&TensorIr> = op.inputs().collect();
+        let view = is_view(&op);
+        let elementwise = is_elementwise(&op);
+        // Memory of consumed inputs: freed after the op, or taken over by its output.
+        let mut consumed: Vec<(TensorId, Option<Arc<Counted>>)> = inputs
+            .iter()
+            .filter(|t| t.status == TensorStatus::ReadWrite)
+            .map(|t| (t.id, tensors.remove(&t.id)))
+            .collect();
+        for out in op.outputs() {
+            let size = bytes_of(&out.shape, out.dtype);
+            let shared = if view {
+                let first = inputs[0].id;
+                consumed
+                    .iter()
+                    .find(|(id, _)| *id == first)
+                    .and_then(|(_, m)| m.clone())
+                    .or_else(|| tensors.get(&first).cloned())
+            } else if elementwise {
+                consumed
+                    .iter_mut()
+                    .find(|(_, m)| m.as_ref().is_some_and(|m| m.bytes() == size))
+                    .and_then(|(_, m)| m.take())
+            } else {
+                None
+            };
+            let memory = shared.unwrap_or_else(|| Arc::new(Counted::new(size)));
+            tensors.insert(out.id, memory);
+        }
+        drop(tensors);
+        drop(consumed);
+    }
+
+    fn read_tensor_async(&self, tensor: TensorIr) -> DynFut<Result<TensorData, ExecutionError>> {
+        if tensor.status == TensorStatus::ReadWrite {
+            lock(&self.state.tensors).remove(&tensor.id);
+        }
+        let data = zeros(&tensor.shape, tensor.dtype);
+        Box::pin(async move { Ok(data) })
+    }
+
+    fn sync(&self) -> Result<(), ExecutionError> {
+        Ok(())
+    }
+
+    fn create_empty_handle(&self) -> TensorId {
+        TensorId::new(self.state.next.fetch_add(1, Relaxed))
+    }
+
+    fn register_tensor_data(&self, data: TensorData) -> RouterTensor<Self> {
+        let (shape, dtype) = (Shape::from(data.shape.clone()), data.dtype);
+        drop(data);
+        self.new_tensor(shape, dtype)
+    }
+
+    fn device(&self) -> ShapesDevice {
+        ShapesDevice
+    }
+
+    fn seed(&self, _seed: u64) {}
+
+    fn dtype_usage(&self, dtype: DType) -> DTypeUsageSet {
+        match dtype {
+            DType::QFloat(_) => DTypeUsage::Storage.into(),
+            _ => DTypeUsage::general(),
+        }
+    }
+}
+
+/// Zeros of `shape` and `dtype` (allocated zeroed: pages nobody writes cost no memory).
+fn zeros(shape: &Shape, dtype: DType) -> TensorData {
+    let bytes = vec![0u8; bytes_of(shape, dtype)];
+    TensorData::from_bytes_vec(bytes, shape.clone(), dtype)
+}
