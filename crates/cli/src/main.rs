@@ -15,6 +15,7 @@ mod doc_commands;
 mod hang;
 mod launch;
 mod launch_args;
+mod plan;
 mod progress;
 mod recovery;
 mod round;
@@ -50,6 +51,10 @@ enum Command {
     /// frozen. Writes PEFT's adapter files, optionally a merged model. Takes `kiln train`'s
     /// options (ranks, strategy, precision, snapshots, --resume).
     Finetune(Box<train::FinetuneArgs>),
+    /// What a job needs per rank (memory by kind), its step time and what it costs, before it
+    /// starts: kiln's own step run on shapes alone. Takes every option of `kiln train` and
+    /// `kiln finetune`.
+    Plan(Box<plan::PlanArgs>),
     /// Write a training snapshot as a Hugging Face directory (config.json, model.safetensors).
     Export(train::ExportArgs),
     /// Start the local ranks of a (possibly multi-node) job.
@@ -148,6 +153,13 @@ fn main() {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("kiln finetune: error: {e:#}");
+                1
+            }
+        },
+        Command::Plan(args) => match plan::plan(args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("kiln plan: error: {e:#}");
                 1
             }
         },

@@ -261,6 +261,12 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
         );
         return Ok(());
     }
+    run(&finetune_recipe(args)?, t)
+}
+
+/// The recipe `kiln finetune` runs with these arguments.
+pub fn finetune_recipe(args: &FinetuneArgs) -> Result<Recipe> {
+    let t = &args.train;
     // What the recipe file already says about LoRA: flags and defaults fill in the rest.
     // Read once: what the recipe file already says about LoRA, and the recipe itself below.
     let (text, origin) = Recipe::read(t.recipe.as_deref())?;
@@ -322,8 +328,7 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
         o.push("lora.qlora=true".into());
     }
     o.extend(t.overrides());
-    let recipe = Recipe::parse(&text, &origin, &o)?;
-    run(&recipe, t)
+    Ok(Recipe::parse(&text, &origin, &o)?)
 }
 
 /// `KILN_RESTART_COUNT`: which restart of the job `kiln launch --max-restarts` started (0:
@@ -347,6 +352,7 @@ fn run_options(args: &TrainArgs, restart: usize) -> RunOptions {
             overwrite: args.overwrite,
             stop_after: args.stop_after,
             restart: false,
+            steps_only: false,
         };
     }
     // A restart continues from the newest snapshot (made from the machines' memory snapshots
@@ -357,6 +363,7 @@ fn run_options(args: &TrainArgs, restart: usize) -> RunOptions {
         overwrite: false,
         stop_after: args.stop_after,
         restart: true,
+        steps_only: false,
     }
 }
 
@@ -431,4 +438,29 @@ pub fn export(args: &ExportArgs) -> Result<()> {
     let weights = kiln_train::export_as(&args.snapshot, &args.out, dtype)?;
     println!("wrote {}", weights.display());
     Ok(())
+}
+
+/// The recipe of the job `kiln train` (or, with a base or LoRA options, `kiln finetune`) would
+/// run with these arguments: what `kiln plan` plans.
+pub fn job_recipe(args: &FinetuneArgs) -> Result<Recipe> {
+    let t = &args.train;
+    let lora_flags = args.base.is_some()
+        || args.lora_r.is_some()
+        || args.lora_alpha.is_some()
+        || args.qlora
+        || !args.targets.is_empty()
+        || args.adapter.is_some();
+    let recipe = Recipe::load(t.recipe.as_deref(), &t.overrides());
+    match (lora_flags, recipe) {
+        (false, Ok(r)) if r.lora.is_none() => Ok(r),
+        (false, Err(e)) => Err(e.into()),
+        _ => finetune_recipe(args),
+    }
+}
+
+impl FinetuneArgs {
+    /// Adds `--set` overrides (applied last).
+    pub fn add_overrides(&mut self, o: &[String]) {
+        self.train.set.extend(o.iter().cloned());
+    }
 }

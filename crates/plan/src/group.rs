@@ -10,7 +10,7 @@
 //! own checks and control flow run as in a real step. Large payloads (tensors) move no bytes:
 //! their values mean nothing on shapes.
 
-use crate::shapes::Work;
+use crate::shapes::{Phases, Work};
 use kiln_comm::{BufMut, BufRef, CommStats, ProcessGroup, ReduceOp, Result, shard_range};
 use kiln_shard::account::current_rank;
 use std::cell::Cell;
@@ -70,6 +70,8 @@ pub struct Event {
     pub what: What,
     /// The rank's work so far ([`crate::shapes::work_of`]).
     pub at: Work,
+    /// The same by phase.
+    pub phases: Phases,
 }
 
 static EVENTS: Mutex<Vec<(usize, Vec<Event>)>> = Mutex::new(Vec::new());
@@ -83,9 +85,11 @@ pub fn record(what: What) {
     let Some(rank) = current_rank() else {
         return;
     };
+    let phases = crate::shapes::phases_of(rank);
     let e = Event {
         what,
-        at: crate::shapes::work_of(rank),
+        at: phases.total(),
+        phases,
     };
     let mut all = lock(&EVENTS);
     match all.iter_mut().find(|(r, _)| *r == rank) {

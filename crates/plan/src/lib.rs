@@ -15,3 +15,9 @@ pub use group::{Collective, Event, Kind, Sim, SimGroup, What};
 pub mod simulate;
 
 pub use simulate::{RoleRun, Simulated, simulate};
+pub mod calibrate;
+pub mod estimate;
+pub mod profile;
+
+pub use estimate::{Cost, Layout, Memory, Plan, RolePlan, cost, estimate};
+pub use profile::{Profile, profile};

@@ -24,7 +24,7 @@ use burn_ir::{
 };
 use burn_router::{BackendRouter, MultiBackendBridge, RouterTensor, RunnerChannel, RunnerClient};
 use burn_std::future::DynFut;
-use kiln_shard::account::{Counted, current_rank};
+use kiln_shard::account::{Counted, MemKind, current_rank};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -120,22 +120,87 @@ impl Work {
         self.contractions += o.contractions;
     }
 
+    fn sub(&mut self, o: &Work) {
+        self.flops_f32 -= o.flops_f32;
+        self.flops_half -= o.flops_half;
+        self.elementwise -= o.elementwise;
+        self.bytes -= o.bytes;
+        self.ops -= o.ops;
+        self.contractions -= o.contractions;
+    }
+
+    /// The work between `earlier` and `self`.
+    pub fn since(&self, earlier: &Work) -> Work {
+        let mut w = *self;
+        w.sub(earlier);
+        w
+    }
+
     /// All contraction FLOPs.
     pub fn flops(&self) -> f64 {
         self.flops_f32 + self.flops_half
     }
 }
 
-/// Work counted per rank (by the thread's rank; `usize::MAX` for threads of no rank).
-static WORK: Mutex<Vec<(usize, Work)>> = Mutex::new(Vec::new());
+/// The part of a step an op belongs to, from the memory kind its thread counts as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Outside the forward and backward passes (the optimizer step, data).
+    Other = 0,
+    /// The forward pass.
+    Forward = 1,
+    /// The backward pass.
+    Backward = 2,
+}
 
-/// The work counted for `rank` since the last [`reset_work`].
-pub fn work_of(rank: usize) -> Work {
+/// A rank's work so far, by [`Phase`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Phases {
+    /// Indexed by [`Phase`].
+    pub by_phase: [Work; 3],
+    /// The phase of the last op inside a pass (parameter gathers and reductions take it).
+    #[serde(skip)]
+    last_pass: Option<usize>,
+}
+
+impl Phases {
+    /// All phases.
+    pub fn total(&self) -> Work {
+        let mut w = Work::default();
+        self.by_phase.iter().for_each(|p| w.add(p));
+        w
+    }
+
+    /// Work of `phase`.
+    pub fn of(&self, phase: Phase) -> Work {
+        self.by_phase[phase as usize]
+    }
+
+    /// The work between `earlier` and `self`, by phase.
+    pub fn since(&self, earlier: &Phases) -> Phases {
+        let mut out = *self;
+        for (o, e) in out.by_phase.iter_mut().zip(&earlier.by_phase) {
+            o.sub(e);
+        }
+        out
+    }
+}
+
+/// Work counted per rank (by the thread's rank; `usize::MAX` for threads of no rank).
+static WORK: Mutex<Vec<(usize, Phases)>> = Mutex::new(Vec::new());
+
+/// The work counted for `rank` since the last [`reset_work`], by phase.
+pub fn phases_of(rank: usize) -> Phases {
     lock(&WORK)
         .iter()
         .find(|(r, _)| *r == rank)
         .map(|(_, w)| *w)
         .unwrap_or_default()
+}
+
+/// The work counted for `rank` since the last [`reset_work`].
+pub fn work_of(rank: usize) -> Work {
+    phases_of(rank).total()
 }
 
 /// Forgets the work counted for `rank`.
@@ -145,11 +210,25 @@ pub fn reset_work(rank: usize) {
 
 fn count_work(w: &Work) {
     let rank = current_rank().unwrap_or(usize::MAX);
+    let kind = kiln_shard::account::current_kind();
     let mut all = lock(&WORK);
-    match all.iter_mut().find(|(r, _)| *r == rank) {
-        Some((_, mine)) => mine.add(w),
-        None => all.push((rank, *w)),
+    let mine = match all.iter().position(|(r, _)| *r == rank) {
+        Some(i) => &mut all[i].1,
+        None => {
+            all.push((rank, Phases::default()));
+            &mut all.last_mut().expect("pushed").1
+        }
+    };
+    let phase = match kind {
+        MemKind::Activations => Some(Phase::Forward as usize),
+        MemKind::Backward => Some(Phase::Backward as usize),
+        MemKind::Other => None,
+        _ => mine.last_pass,
+    };
+    if kind == MemKind::Activations || kind == MemKind::Backward {
+        mine.last_pass = phase;
     }
+    mine.by_phase[phase.unwrap_or(Phase::Other as usize)].add(w);
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -19,7 +19,8 @@ pub struct RunOptions {
     /// if there is one (on disk, or in memory), else start afresh.
     pub restart: bool,
     /// Run the steps and measure them, nothing else: no validation, sample, snapshot or
-    /// output (`kiln plan` runs a job's steps on shapes).
+    /// output, and a pretrained base's weights are not read (`kiln plan` runs a job's steps on
+    /// shapes).
     pub steps_only: bool,
 }
 

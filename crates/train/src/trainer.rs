@@ -322,6 +322,10 @@ where
                 let rng = SplitMix64(meta.data_rng);
                 (model, meta.step, rng, meta.optimizer_time)
             }
+            // Planning on shapes reads no weights: a base's are initialised instead.
+            None if options.steps_only && recipe.model.from.is_some() => {
+                (model, 0, SplitMix64(mix(t.seed)), 0)
+            }
             None => {
                 let model = trained.start(model, recipe, false)?;
                 (model, 0, SplitMix64(mix(t.seed)), 0)

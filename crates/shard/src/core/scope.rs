@@ -206,6 +206,14 @@ pub fn current_rank() -> Option<usize> {
     tag().counters().map(|c| c.rank)
 }
 
+/// The kind this thread's allocations are counted as now.
+pub fn current_kind() -> MemKind {
+    MemKind::ALL
+        .get(tag().kind)
+        .copied()
+        .unwrap_or(MemKind::Other)
+}
+
 /// Runs `f` with this thread's allocations counted as `kind` (for the rank the thread is
 /// attributed to; nothing is counted on a thread without a rank).
 pub fn with_kind<R>(kind: MemKind, f: impl FnOnce() -> R) -> R {

@@ -15,7 +15,8 @@ use std::marker::PhantomData;
 use std::sync::atomic::Ordering::Relaxed;
 
 pub use crate::core::scope::{
-    MemKind, attribute_to_rank, comm_wait, current_rank, on_queue, waiting, with_kind,
+    MemKind, attribute_to_rank, comm_wait, current_kind, current_rank, on_queue, waiting,
+    with_kind,
 };
 
 fn held<B: Backend>(t: &ShardTensor<B>) -> usize {

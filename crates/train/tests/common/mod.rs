@@ -36,6 +36,7 @@ pub fn run(r: &Recipe, ranks: usize, resume: bool, stop_after: Option<usize>) ->
         overwrite: !resume,
         stop_after,
         restart: false,
+        steps_only: false,
     };
     train_threads::<Flex>(r, ranks, options).unwrap()
 }
