@@ -69,7 +69,10 @@ fn recipe(args: &PlanArgs) -> Result<Recipe> {
     }
     if let Some(m) = &args.model {
         let dir = match m.file_name().is_some_and(|f| f == "config.json") {
-            true => m.parent().map(std::path::Path::to_path_buf).unwrap_or_default(),
+            true => m
+                .parent()
+                .map(std::path::Path::to_path_buf)
+                .unwrap_or_default(),
             false => m.clone(),
         };
         if !dir.join("config.json").is_file() {
@@ -85,6 +88,13 @@ fn recipe(args: &PlanArgs) -> Result<Recipe> {
 }
 
 pub fn plan(args: &PlanArgs) -> Result<()> {
+    // Tensors read on shapes are zeros nobody looks at: served by fresh mappings, whose pages
+    // exist only once written (glibc's calloc skips clearing them), they cost no memory.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets an allocator parameter.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
     if args.price.is_some() && args.tokens.is_none() {
         bail!("--price prices a token budget: give --tokens too");
     }
@@ -154,7 +164,10 @@ fn gib(b: f64) -> String {
 pub fn report(recipe: &Recipe, profile: &Profile, plan: &Plan, cost: Option<&Cost>) -> Vec<String> {
     let mut out = vec![
         format!("kiln plan: {}", describe(recipe)),
-        format!("on {} ({}), {} ranks per node", profile.name, profile.description, profile.per_node),
+        format!(
+            "on {} ({}), {} ranks per node",
+            profile.name, profile.description, profile.per_node
+        ),
         format!(
             "simulated {} rank(s), one per role, in {:.2} s",
             plan.roles.len(),
@@ -170,10 +183,22 @@ pub fn report(recipe: &Recipe, profile: &Profile, plan: &Plan, cost: Option<&Cos
         true => format!("{} for all ranks together", gib(profile.memory)),
         false => format!("{} per rank", gib(profile.memory)),
     };
-    out.push(format!("memory per rank: peak {} ({fits}: {limit})", gib(plan.peak)));
+    out.push(format!(
+        "memory per rank: peak {} ({fits}: {limit})",
+        gib(plan.peak)
+    ));
     out.push(format!(
         "  {:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
-        "stage", "peak", "held", "params", "grads", "optimizer", "activations", "backward", "gathered", "comm"
+        "stage",
+        "peak",
+        "held",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "backward",
+        "gathered",
+        "comm"
     ));
     for r in &plan.roles {
         let m = &r.memory;

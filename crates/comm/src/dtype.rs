@@ -203,6 +203,15 @@ pub enum BufRef<'a> {
     BF16(&'a [bf16]),
     /// i64 elements.
     I64(&'a [i64]),
+    /// A buffer of `len` elements of `dtype` that exist only as a size: what a job simulated
+    /// on shapes (`kiln plan`) hands a simulated group, which counts it. Real groups refuse
+    /// it.
+    Shape {
+        /// The element type.
+        dtype: DType,
+        /// Number of elements.
+        len: usize,
+    },
 }
 
 /// A writable communication buffer of one of the supported element types.
@@ -217,6 +226,13 @@ pub enum BufMut<'a> {
     BF16(&'a mut [bf16]),
     /// i64 elements.
     I64(&'a mut [i64]),
+    /// A buffer that exists only as a size (see [`BufRef::Shape`]).
+    Shape {
+        /// The element type.
+        dtype: DType,
+        /// Number of elements.
+        len: usize,
+    },
 }
 
 impl BufRef<'_> {
@@ -227,6 +243,7 @@ impl BufRef<'_> {
             BufRef::F16(_) => DType::F16,
             BufRef::BF16(_) => DType::BF16,
             BufRef::I64(_) => DType::I64,
+            BufRef::Shape { dtype, .. } => *dtype,
         }
     }
     /// Number of elements.
@@ -236,20 +253,30 @@ impl BufRef<'_> {
             BufRef::F16(s) => s.len(),
             BufRef::BF16(s) => s.len(),
             BufRef::I64(s) => s.len(),
+            BufRef::Shape { len, .. } => *len,
         }
     }
     /// Whether the buffer has no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The raw bytes.
+    /// The raw bytes (none for a [`BufRef::Shape`]).
     pub fn as_bytes(&self) -> &[u8] {
         match self {
             BufRef::F32(s) => bytemuck::cast_slice(s),
             BufRef::F16(s) => bytemuck::cast_slice(s),
             BufRef::BF16(s) => bytemuck::cast_slice(s),
             BufRef::I64(s) => bytemuck::cast_slice(s),
+            BufRef::Shape { .. } => &[],
         }
+    }
+    /// Whether the buffer exists only as a size ([`BufRef::Shape`]).
+    pub fn is_shape(&self) -> bool {
+        matches!(self, BufRef::Shape { .. })
+    }
+    /// Bytes of the payload (the size of a [`BufRef::Shape`]).
+    pub fn byte_len(&self) -> usize {
+        self.len() * self.dtype().size()
     }
 }
 
@@ -261,6 +288,7 @@ impl BufMut<'_> {
             BufMut::F16(_) => DType::F16,
             BufMut::BF16(_) => DType::BF16,
             BufMut::I64(_) => DType::I64,
+            BufMut::Shape { dtype, .. } => *dtype,
         }
     }
     /// Number of elements.
@@ -270,20 +298,30 @@ impl BufMut<'_> {
             BufMut::F16(s) => s.len(),
             BufMut::BF16(s) => s.len(),
             BufMut::I64(s) => s.len(),
+            BufMut::Shape { len, .. } => *len,
         }
     }
     /// Whether the buffer has no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The raw bytes, writable.
+    /// The raw bytes, writable (none for a [`BufMut::Shape`]).
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         match self {
             BufMut::F32(s) => bytemuck::cast_slice_mut(s),
             BufMut::F16(s) => bytemuck::cast_slice_mut(s),
             BufMut::BF16(s) => bytemuck::cast_slice_mut(s),
             BufMut::I64(s) => bytemuck::cast_slice_mut(s),
+            BufMut::Shape { .. } => &mut [],
         }
+    }
+    /// Whether the buffer exists only as a size ([`BufMut::Shape`]).
+    pub fn is_shape(&self) -> bool {
+        matches!(self, BufMut::Shape { .. })
+    }
+    /// Bytes of the payload (the size of a [`BufMut::Shape`]).
+    pub fn byte_len(&self) -> usize {
+        self.len() * self.dtype().size()
     }
 }
 
@@ -346,6 +384,9 @@ impl BufRef<'_> {
             BufRef::F16(s) => OwnedBuf::F16(s.to_vec()),
             BufRef::BF16(s) => OwnedBuf::BF16(s.to_vec()),
             BufRef::I64(s) => OwnedBuf::I64(s.to_vec()),
+            BufRef::Shape { .. } => panic!(
+                "kiln: a shape-only buffer has no elements to copy (real groups refuse them)"
+            ),
         }
     }
 }

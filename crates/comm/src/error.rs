@@ -230,3 +230,12 @@ mod tests {
         }
     }
 }
+
+/// The error of a real group handed a shape-only buffer ([`BufRef::Shape`](crate::BufRef)):
+/// only a simulated group (`kiln plan`'s) takes them.
+pub fn shape_buffer(backend: &str, group: &str) -> CommError {
+    CommError::Config(format!(
+        "a shape-only buffer (a job simulated on shapes, kiln plan) reached the {backend} group \
+         '{group}': only a simulated group takes them"
+    ))
+}

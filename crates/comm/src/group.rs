@@ -346,11 +346,15 @@ impl GroupCore {
     // ----- collectives -----
 
     pub fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        if buf.is_shape() {
+            return Err(crate::error::shape_buffer("local/tcp", &self.name));
+        }
         match buf {
             BufMut::F32(b) => self.all_reduce_t(b, op),
             BufMut::F16(b) => self.all_reduce_t(b, op),
             BufMut::BF16(b) => self.all_reduce_t(b, op),
             BufMut::I64(b) => self.all_reduce_t(b, op),
+            BufMut::Shape { .. } => unreachable!("refused above"),
         }
     }
 
@@ -367,6 +371,9 @@ impl GroupCore {
     }
 
     pub fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        if input.is_shape() || output.is_shape() {
+            return Err(crate::error::shape_buffer("local/tcp", &self.name));
+        }
         match (input, output) {
             (BufRef::F32(i), BufMut::F32(o)) => self.all_gather_t(i, o),
             (BufRef::F16(i), BufMut::F16(o)) => self.all_gather_t(i, o),
@@ -411,6 +418,9 @@ impl GroupCore {
         output: BufMut<'_>,
         op: ReduceOp,
     ) -> Result<()> {
+        if input.is_shape() || output.is_shape() {
+            return Err(crate::error::shape_buffer("local/tcp", &self.name));
+        }
         match (input, output) {
             (BufRef::F32(i), BufMut::F32(o)) => self.reduce_scatter_t(i, o, op),
             (BufRef::F16(i), BufMut::F16(o)) => self.reduce_scatter_t(i, o, op),
@@ -451,11 +461,15 @@ impl GroupCore {
 
     pub fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         self.check_peer(OpKind::Broadcast, root, "root")?;
+        if buf.is_shape() {
+            return Err(crate::error::shape_buffer("local/tcp", &self.name));
+        }
         match buf {
             BufMut::F32(b) => self.broadcast_t(b, root),
             BufMut::F16(b) => self.broadcast_t(b, root),
             BufMut::BF16(b) => self.broadcast_t(b, root),
             BufMut::I64(b) => self.broadcast_t(b, root),
+            BufMut::Shape { .. } => unreachable!("refused above"),
         }
     }
 
@@ -515,6 +529,10 @@ impl GroupCore {
 
     pub fn send(&self, buf: BufRef<'_>, dst: usize) -> Result<()> {
         self.check_peer(OpKind::SendRecv, dst, "destination")?;
+        if buf.is_shape() {
+            return Err(crate::error::shape_buffer("local/tcp", &self.name));
+        }
+
         let mut state = self.usable()?;
         let seq = next_seq(&mut state.p2p_sent, dst);
         self.counters.call(OpKind::SendRecv);
@@ -549,6 +567,10 @@ impl GroupCore {
 
     pub fn recv(&self, mut buf: BufMut<'_>, src: usize) -> Result<()> {
         self.check_peer(OpKind::SendRecv, src, "source")?;
+        if buf.is_shape() {
+            return Err(crate::error::shape_buffer("local/tcp", &self.name));
+        }
+
         let _in_order = self.receiving.lock().unwrap_or_else(|e| e.into_inner());
         let seq = next_seq(&mut self.usable()?.p2p_received, src);
         // The wait holds no state lock: `send` promises to return before its message is

@@ -1180,6 +1180,7 @@ macro_rules! bytes_of {
             BufMut::F16(b) => (bytemuck::cast_slice_mut::<_, u8>(b), DType::F16),
             BufMut::BF16(b) => (bytemuck::cast_slice_mut::<_, u8>(b), DType::BF16),
             BufMut::I64(b) => (bytemuck::cast_slice_mut::<_, u8>(b), DType::I64),
+            BufMut::Shape { .. } => return Err(crate::error::shape_buffer("mpi", "mpi")),
         }
     };
 }
@@ -1205,6 +1206,9 @@ impl ProcessGroup for MpiGroup {
         self.all_reduce_bytes(b, dtype, op)
     }
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        if input.is_shape() {
+            return Err(crate::error::shape_buffer("mpi", &self.name));
+        }
         let (o, dtype) = bytes_of!(output);
         if input.dtype() != dtype {
             return Err(CommError::DTypeMismatch {
@@ -1216,6 +1220,9 @@ impl ProcessGroup for MpiGroup {
         self.all_gather_bytes(input.as_bytes(), o, dtype)
     }
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        if input.is_shape() {
+            return Err(crate::error::shape_buffer("mpi", &self.name));
+        }
         let (o, dtype) = bytes_of!(output);
         if input.dtype() != dtype {
             return Err(CommError::DTypeMismatch {
@@ -1231,6 +1238,9 @@ impl ProcessGroup for MpiGroup {
         self.broadcast_bytes(b, dtype, root)
     }
     fn send(&self, buf: BufRef<'_>, dst: usize) -> Result<()> {
+        if buf.is_shape() {
+            return Err(crate::error::shape_buffer("mpi", &self.name));
+        }
         self.send_bytes(buf.as_bytes(), buf.dtype(), dst)
     }
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {

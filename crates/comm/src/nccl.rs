@@ -1717,6 +1717,7 @@ macro_rules! dispatch {
             BufMut::F16($b) => $body,
             BufMut::BF16($b) => $body,
             BufMut::I64($b) => $body,
+            BufMut::Shape { .. } => Err(crate::error::shape_buffer("nccl", "nccl")),
         }
     };
 }
@@ -1775,6 +1776,7 @@ impl ProcessGroup for NcclGroup {
             BufRef::F16(b) => self.host_send(b, dst),
             BufRef::BF16(b) => self.host_send(b, dst),
             BufRef::I64(b) => self.host_send(b, dst),
+            BufRef::Shape { .. } => Err(crate::error::shape_buffer("nccl", &self.name)),
         }
     }
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {

@@ -93,7 +93,10 @@ fn run() -> Calibration {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or(0.0)).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(0.0))
+            .collect()
     });
     let message_latency = times.iter().copied().fold(0.0, f64::max);
 

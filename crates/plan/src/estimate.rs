@@ -257,8 +257,8 @@ pub fn estimate(sim: &Simulated, layout: &Layout, p: &Profile) -> Result<Plan, S
 fn pipelined(roles: &[RolePlan], layout: &Layout) -> Result<(f64, Option<f64>), String> {
     let p = roles.len();
     let m = layout.microbatches.max(1) as f64;
-    let schedule = Schedule::new(layout.schedule, p, layout.microbatches.max(1))
-        .map_err(|e| e.to_string())?;
+    let schedule =
+        Schedule::new(layout.schedule, p, layout.microbatches.max(1)).map_err(|e| e.to_string())?;
     let costs: Vec<(f64, f64)> = roles
         .iter()
         .map(|r| {

@@ -184,10 +184,6 @@ impl SimGroup {
     }
 }
 
-fn elems(b: &BufRef<'_>) -> usize {
-    b.len()
-}
-
 impl ProcessGroup for SimGroup {
     fn rank(&self) -> usize {
         self.me
@@ -205,10 +201,9 @@ impl ProcessGroup for SimGroup {
         Duration::from_secs(300)
     }
 
-    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let bytes = buf.as_bytes_mut().len();
-        self.log(Kind::AllReduce, bytes);
-        if buf.len() > SMALL {
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.log(Kind::AllReduce, buf.byte_len());
+        if buf.len() > SMALL || buf.is_shape() {
             return Ok(());
         }
         if let Some(inner) = &self.inner {
@@ -227,11 +222,10 @@ impl ProcessGroup for SimGroup {
     }
 
     fn all_gather(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<()> {
-        let bytes = output.as_bytes_mut().len();
-        self.log(Kind::AllGather, bytes);
+        self.log(Kind::AllGather, output.byte_len());
         let n = self.members.len();
         let total = output.len();
-        if total > SMALL {
+        if total > SMALL || input.is_shape() || output.is_shape() {
             return Ok(());
         }
         let size = input.dtype().size();
@@ -266,8 +260,8 @@ impl ProcessGroup for SimGroup {
         mut output: BufMut<'_>,
         op: ReduceOp,
     ) -> Result<()> {
-        self.log(Kind::ReduceScatter, input.as_bytes().len());
-        if elems(&input) > SMALL {
+        self.log(Kind::ReduceScatter, input.byte_len());
+        if input.len() > SMALL || input.is_shape() || output.is_shape() {
             return Ok(());
         }
         let size = input.dtype().size();
@@ -280,9 +274,8 @@ impl ProcessGroup for SimGroup {
     }
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        let bytes = buf.len() * buf.dtype().size();
-        self.log(Kind::Broadcast, bytes);
-        if buf.len() > SMALL {
+        self.log(Kind::Broadcast, buf.byte_len());
+        if buf.len() > SMALL || buf.is_shape() {
             return Ok(());
         }
         match (&self.inner, self.stand_in(root)) {
@@ -292,8 +285,8 @@ impl ProcessGroup for SimGroup {
     }
 
     fn send(&self, buf: BufRef<'_>, dst: usize) -> Result<()> {
-        self.log(Kind::Send, buf.as_bytes().len());
-        if buf.len() > SMALL {
+        self.log(Kind::Send, buf.byte_len());
+        if buf.len() > SMALL || buf.is_shape() {
             return Ok(());
         }
         match (&self.inner, self.simulated.iter().position(|&i| i == dst)) {
@@ -303,7 +296,7 @@ impl ProcessGroup for SimGroup {
     }
 
     fn recv(&self, buf: BufMut<'_>, src: usize) -> Result<()> {
-        if buf.len() > SMALL {
+        if buf.len() > SMALL || buf.is_shape() {
             return Ok(());
         }
         match (&self.inner, self.simulated.iter().position(|&i| i == src)) {

@@ -462,8 +462,26 @@ impl RunnerClient for ShapesClient {
     }
 }
 
-/// Zeros of `shape` and `dtype` (allocated zeroed: pages nobody writes cost no memory).
+/// Zeros of `shape` and `dtype`, allocated zeroed in the element type (`vec![0; n]` is a
+/// `calloc`: pages nobody writes cost no memory where the allocator maps them fresh).
 fn zeros(shape: &Shape, dtype: DType) -> TensorData {
-    let bytes = vec![0u8; bytes_of(shape, dtype)];
-    TensorData::from_bytes_vec(bytes, shape.clone(), dtype)
+    use half::{bf16, f16};
+    let n = shape.num_elements();
+    let s = shape.clone();
+    match dtype {
+        DType::F64 => TensorData::new(vec![0f64; n], s),
+        DType::F32 | DType::Flex32 => TensorData::new(vec![0f32; n], s),
+        DType::F16 => TensorData::new(bytemuck::cast_vec::<u16, f16>(vec![0u16; n]), s),
+        DType::BF16 => TensorData::new(bytemuck::cast_vec::<u16, bf16>(vec![0u16; n]), s),
+        DType::I64 => TensorData::new(vec![0i64; n], s),
+        DType::I32 => TensorData::new(vec![0i32; n], s),
+        DType::I16 => TensorData::new(vec![0i16; n], s),
+        DType::I8 => TensorData::new(vec![0i8; n], s),
+        DType::U64 => TensorData::new(vec![0u64; n], s),
+        DType::U32 => TensorData::new(vec![0u32; n], s),
+        DType::U16 => TensorData::new(vec![0u16; n], s),
+        DType::U8 => TensorData::new(vec![0u8; n], s),
+        DType::Bool(_) => TensorData::new(vec![false; n], s),
+        _ => TensorData::from_bytes_vec(vec![0u8; bytes_of(shape, dtype)], s, dtype),
+    }
 }

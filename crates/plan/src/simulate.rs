@@ -87,6 +87,7 @@ pub fn simulate(recipe: &Recipe, per_node: usize) -> Result<Simulated, TrainErro
         take_events(r);
     }
     let locals = LocalGroup::new_world(simulated.len(), GroupOptions::default());
+    kiln_shard::account::set_shapes_only(true);
     let recipe = &recipe;
     let results: Vec<Result<kiln_train::Summary, TrainError>> = std::thread::scope(|s| {
         let handles: Vec<_> = locals
@@ -125,6 +126,7 @@ pub fn simulate(recipe: &Recipe, per_node: usize) -> Result<Simulated, TrainErro
             })
             .collect()
     });
+    kiln_shard::account::set_shapes_only(false);
     let _ = std::fs::remove_dir_all(&out);
     if results.iter().any(Result::is_err) {
         return Err(kiln_train::rank_zero_or_root_cause(results)

@@ -206,6 +206,23 @@ pub fn current_rank() -> Option<usize> {
     tag().counters().map(|c| c.rank)
 }
 
+static SHAPES_ONLY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Declares (`true`) that a job of this process runs on a backend of shapes, not values
+/// (`kiln plan`'s), until it undeclares it (`false`): checks that compute a value to test the
+/// backend are skipped meanwhile. Declarations nest.
+pub fn set_shapes_only(on: bool) {
+    match on {
+        true => SHAPES_ONLY.fetch_add(1, Relaxed),
+        false => SHAPES_ONLY.fetch_sub(1, Relaxed),
+    };
+}
+
+/// Whether a job of this process runs on shapes only ([`set_shapes_only`]).
+pub fn shapes_only() -> bool {
+    SHAPES_ONLY.load(Relaxed) > 0
+}
+
 /// The kind this thread's allocations are counted as now.
 pub fn current_kind() -> MemKind {
     MemKind::ALL

@@ -8,15 +8,15 @@ use crate::core::scope::{self, KINDS, RankCounters, Tag, counters};
 use crate::core::tensor::ShardTensor;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
+use burn::record::{FullPrecisionSettings, Record};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use std::marker::PhantomData;
 use std::sync::atomic::Ordering::Relaxed;
 
 pub use crate::core::scope::{
-    MemKind, attribute_to_rank, comm_wait, current_kind, current_rank, on_queue, waiting,
-    with_kind,
+    MemKind, attribute_to_rank, comm_wait, current_kind, current_rank, on_queue, set_shapes_only,
+    shapes_only, waiting, with_kind,
 };
 
 fn held<B: Backend>(t: &ShardTensor<B>) -> usize {
@@ -64,17 +64,27 @@ where
 }
 
 /// Size of a record (e.g. an optimizer's state, `optimizer.to_record()`) as this rank holds it:
-/// its binary serialisation with sharded tensors read locally. The tensors' payload dominates;
-/// each tensor adds a few dozen bytes of shape and type.
+/// its binary serialisation (Burn's `BinBytesRecorder`'s encoding, without the recorder's few
+/// bytes of metadata) with sharded tensors read locally, counted as it is written, so the
+/// serialised copy never exists. The tensors' payload dominates; each tensor adds a few dozen
+/// bytes of shape and type.
 ///
 /// # Panics
 /// If the record cannot be serialised.
 pub fn record_bytes<B: Backend, R: Record<B>>(record: R) -> usize {
+    struct Count(usize);
+    impl bincode::enc::write::Writer for Count {
+        fn write(&mut self, bytes: &[u8]) -> Result<(), bincode::error::EncodeError> {
+            self.0 += bytes.len();
+            Ok(())
+        }
+    }
     scope::local_reads(|| {
-        BinBytesRecorder::<FullPrecisionSettings>::default()
-            .record(record, ())
-            .expect("a record serialises")
-            .len()
+        let item = record.into_item::<FullPrecisionSettings>();
+        let mut count = Count(0);
+        bincode::serde::encode_into_writer(item, &mut count, bincode::config::standard())
+            .expect("a record serialises");
+        count.0
     })
 }
 
@@ -229,6 +239,28 @@ unsafe impl std::alloc::GlobalAlloc for RankAlloc {
         let tag = scope::tag();
         // SAFETY: `pad >= 16` bytes precede the returned pointer inside the block; both slots
         // are 8-aligned since `pad` is a multiple of 8 and `base` is at least 8-aligned.
+        unsafe {
+            let p = base.add(pad);
+            (p.sub(16) as *mut usize).write(tag.counters);
+            (p.sub(8) as *mut usize).write(tag.kind);
+            Self::count(tag, layout.size(), true);
+            RANK_ALLOC_IN_USE.store(true, Relaxed);
+            p
+        }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let Some((outer, pad)) = Self::header(layout) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: `outer` has a non-zero size. The system's zeroed allocation (a `calloc`:
+        // fresh pages are not written, so large zeroed buffers cost nothing until used).
+        let base = unsafe { std::alloc::System.alloc_zeroed(outer) };
+        if base.is_null() {
+            return base;
+        }
+        let tag = scope::tag();
+        // SAFETY: as in `alloc`.
         unsafe {
             let p = base.add(pad);
             (p.sub(16) as *mut usize).write(tag.counters);

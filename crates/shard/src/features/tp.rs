@@ -20,7 +20,7 @@
 //! always correct, counted per op name in [`stats`], so a missing rule is visible.
 
 use crate::core::dtype::promote2;
-use crate::core::host::{Host, collective_failed, read, slice_local, write};
+use crate::core::host::{collective_failed, read_host, slice_local, write_host};
 use crate::core::ops::custom::{float_is_require_grad, linear_prims, weight_grad_prims};
 use crate::core::ops::policy::binary;
 use crate::core::ops::policy::current_op;
@@ -420,7 +420,7 @@ fn all_gather<B: Backend>(p: &Placed<B>, why: Why) -> Prim<B> {
     let device = p.store.device();
     let dtype = p.store.dtype();
     let host = with_kind(MemKind::Comm, || {
-        Host::from_data(read::<B>(B::float_reshape(front, Shape::from(vec![numel]))))
+        read_host::<B>(B::float_reshape(front, Shape::from(vec![numel])))
     });
     let mut full = with_kind(MemKind::Comm, || host.zeros(numel * n));
     waiting(|| group.all_gather(host.buf(), full.buf_mut()))
@@ -451,7 +451,7 @@ fn all_gather<B: Backend>(p: &Placed<B>, why: Why) -> Prim<B> {
     // [n, k, c, rest..] -> [k, n, c, rest..] -> [k n c, rest..] -> the original order.
     let mut gathered = vec![n, k, c];
     gathered.extend(&rest_dims);
-    let whole = write::<B>(full.into_data(Shape::from(gathered)), &device, dtype);
+    let whole = write_host::<B>(full, Shape::from(gathered), &device, dtype);
     let whole = B::float_swap_dims(whole, 0, 1);
     let mut merged = vec![n * k * c];
     merged.extend(&rest_dims);
@@ -475,7 +475,7 @@ fn reduce_scatter<B: Backend>(t: Prim<B>, dim: usize, group: &dyn ProcessGroup) 
     let front = B::float_permute(t, &axes);
     let numel = dims.iter().product::<usize>();
     let host = with_kind(MemKind::Comm, || {
-        Host::from_data(read::<B>(B::float_reshape(front, Shape::from(vec![numel]))))
+        read_host::<B>(B::float_reshape(front, Shape::from(vec![numel])))
     });
     let mut mine = with_kind(MemKind::Comm, || host.zeros(numel / n));
     waiting(|| group.reduce_scatter(host.buf(), mine.buf_mut(), ReduceOp::Sum)).unwrap_or_else(
@@ -488,7 +488,7 @@ fn reduce_scatter<B: Backend>(t: Prim<B>, dim: usize, group: &dyn ProcessGroup) 
     });
     let mut part: Vec<usize> = axes.iter().map(|&a| dims[a]).collect();
     part[0] /= n;
-    let t = write::<B>(mine.into_data(Shape::from(part)), &device, dtype);
+    let t = write_host::<B>(mine, Shape::from(part), &device, dtype);
     let mut back: Vec<usize> = (1..dims.len()).collect();
     back.insert(dim, 0);
     B::float_permute(t, &back)
@@ -504,7 +504,7 @@ fn all_reduce_op<B: Backend>(t: Prim<B>, group: &dyn ProcessGroup, op: ReduceOp)
     let shape = t.shape();
     let device = B::float_device(&t);
     let dtype = t.dtype();
-    let mut host = with_kind(MemKind::Comm, || Host::from_data(read::<B>(t)));
+    let mut host = with_kind(MemKind::Comm, || read_host::<B>(t));
     waiting(|| group.all_reduce(host.buf_mut(), op))
         .unwrap_or_else(|e| collective_failed("all-reduce", &shape, group, e));
     STATS.with(|s| {
@@ -512,7 +512,7 @@ fn all_reduce_op<B: Backend>(t: Prim<B>, group: &dyn ProcessGroup, op: ReduceOp)
         s.all_reduces += 1;
         s.all_reduce_bytes += shape.num_elements() * dtype.size();
     });
-    write::<B>(host.into_data(shape), &device, dtype)
+    write_host::<B>(host, shape, &device, dtype)
 }
 
 /// The split a reshape of `old` into `new` gives a tensor split by `split` over `n` ranks, if

@@ -8,7 +8,7 @@
 //! as communication and only the whole tensor as a gathered parameter.
 
 use crate::core::dtype::{narrow, widen};
-use crate::core::host::{Host, collective_failed, read, write};
+use crate::core::host::{Host, collective_failed, read_host, write_host};
 use crate::core::scope::{self, MemKind, waiting, with_kind};
 use crate::core::tensor::{Deferred, Elementwise, Prim, ShardOps, ShardTensor, Sharded, ViewOp};
 use burn_backend::{Backend, DType, TensorMetadata};
@@ -59,7 +59,7 @@ pub fn gather<B: Backend>(s: &Sharded<B>) -> Prim<B> {
     }
     // In the compute dtype of the policy, widened back when written.
     let shard = narrow::<B>(s.shard.clone(), gather_dtype());
-    let host = with_kind(MemKind::Comm, || Host::from_data(read::<B>(shard)));
+    let host = with_kind(MemKind::Comm, || read_host::<B>(shard));
     let full = waiting(|| all_gather_host(s.group.as_ref(), &host, s.numel()));
     whole_from_host(s, full)
 }
@@ -71,7 +71,7 @@ pub fn whole_from_host<B: Backend>(s: &Sharded<B>, full: kiln_comm::Result<Host>
     let device = B::float_device(&s.shard);
     let dtype = s.shard.dtype();
     with_kind(MemKind::Gathered, || {
-        write::<B>(full.into_data(s.shape.clone()), &device, dtype)
+        write_host::<B>(full, s.shape.clone(), &device, dtype)
     })
 }
 

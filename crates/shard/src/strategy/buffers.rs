@@ -24,7 +24,7 @@ use super::config::BufferPolicy;
 use super::params::replace_primitive;
 use crate::core::backend::Shard;
 use crate::core::error::ShardError;
-use crate::core::host::{Host, read, write};
+use crate::core::host::{Host, read_host, write_host};
 use crate::core::ops::local;
 use crate::core::scope::waiting;
 use crate::core::tensor::ShardTensor;
@@ -165,7 +165,7 @@ where
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
             if self.at.is_buffer(self.patterns) {
                 let t = local::<B>(p.val().inner().into_primitive().tensor());
-                self.values.push(Host::from_data(read::<B>(t)));
+                self.values.push(read_host::<B>(t));
             }
         }
     }
@@ -225,7 +225,7 @@ where
             let tensor = replace_primitive::<B, AB, D>(tensor, |t| {
                 let t = local::<B>(t);
                 let (shape, dtype, device) = (t.shape(), t.dtype(), B::float_device(&t));
-                ShardTensor::Local(write::<B>(values.into_data(shape), &device, dtype))
+                ShardTensor::Local(write_host::<B>(values, shape, &device, dtype))
             });
             Param::from_mapped_value(id, tensor, mapper)
         }

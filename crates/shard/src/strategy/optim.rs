@@ -8,7 +8,7 @@ use super::shard::{Marks, apply_marks};
 use super::state::ModelState;
 use crate::core::backend::Shard;
 use crate::core::error::ShardError;
-use crate::core::host::{Host, read, slice_local, write};
+use crate::core::host::{Host, read, read_host, slice_local, write_host};
 use crate::core::ops::local;
 use crate::core::scope::waiting;
 use crate::core::tensor::{Restore, ShardTensor, Sharded, same_group};
@@ -285,7 +285,7 @@ where
         let rank = group.rank();
         let mut mine: Option<Host> = None;
         for (i, (_, s)) in bucket.iter().enumerate() {
-            let h = Host::from_data(read::<B>(s.shard.clone()));
+            let h = read_host::<B>(s.shard.clone());
             let mine = mine.get_or_insert_with(|| h.zeros(layout.chunk));
             let (at, _) = layout.place(i, rank);
             mine.copy_from(at - rank * layout.chunk, &h, 0..h.len());
@@ -306,8 +306,10 @@ where
                 let (at, range) = layout.place(i, peer);
                 values.copy_from(range.start, &all, at..at + range.len());
             }
-            let data = values.into_data(s.shape.clone());
-            whole.insert(*id, write::<B>(data, &device, dtype));
+            whole.insert(
+                *id,
+                write_host::<B>(values, s.shape.clone(), &device, dtype),
+            );
         }
     }
     struct Write<B: Backend> {

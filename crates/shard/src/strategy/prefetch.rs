@@ -20,7 +20,7 @@
 //! parameter's id and value version, and the model, weakly), which the core calls to gather it.
 
 use crate::core::dtype::{narrow, narrowed_dtype};
-use crate::core::host::{Host, read};
+use crate::core::host::{Host, read_host};
 use crate::core::scope::{MemKind, on_queue, waiting, with_kind};
 use crate::core::tensor::{Prim, ShardOps, ShardTensor, Sharded, ViewOp};
 use crate::features::zero::{all_gather_host, gather_dtype, view, whole_from_host};
@@ -321,7 +321,7 @@ fn issue_next<B: Backend>(
 /// counted for this rank as a gathered parameter.
 fn submit<B: Backend>(queue: &CommQueue, s: &Sharded<B>, dtype: FloatDType) -> Work<Host> {
     let host = with_kind(MemKind::Comm, || {
-        Host::from_data(read::<B>(narrow::<B>(s.shard.clone(), dtype)))
+        read_host::<B>(narrow::<B>(s.shard.clone(), dtype))
     });
     let numel = s.numel();
     on_queue(queue, "all-gather (prefetch)", move |g| {

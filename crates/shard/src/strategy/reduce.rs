@@ -13,7 +13,7 @@ use super::config::Strategy;
 use crate::core::dtype::narrow;
 #[cfg(feature = "cuda")]
 use crate::core::dtype::widen;
-use crate::core::host::{Host, read, slice_local, write};
+use crate::core::host::{Host, read_host, slice_local, write_host};
 use crate::core::ops::local;
 #[cfg(feature = "cuda")]
 use crate::core::ops::unary;
@@ -149,10 +149,7 @@ pub(crate) fn prepare<B: Backend>(
         }
     }
     let device = B::float_device(&inner[0]);
-    let hosts: Vec<Host> = inner
-        .into_iter()
-        .map(|g| Host::from_data(read::<B>(g)))
-        .collect();
+    let hosts: Vec<Host> = inner.into_iter().map(|g| read_host::<B>(g)).collect();
     if !strategy.shards_grads() {
         let layout = Layout {
             shapes,
@@ -229,9 +226,9 @@ pub(crate) fn finish<B: Backend>(
             .iter()
             .map(|shape| {
                 let n = shape.num_elements();
-                let data = out.slice(offset, offset + n).into_data(shape.clone());
+                let part = out.slice(offset, offset + n);
                 offset += n;
-                ShardTensor::Local(write::<B>(data, device, dtype))
+                ShardTensor::Local(write_host::<B>(part, shape.clone(), device, dtype))
             })
             .collect();
     };
@@ -243,9 +240,9 @@ pub(crate) fn finish<B: Backend>(
         .map(|(i, shape)| {
             let (at, range) = rank_major.place(i, rank);
             let at = at - rank * rank_major.chunk;
-            let shard = write::<B>(
-                out.slice(at, at + range.len())
-                    .into_data(Shape::from(vec![range.len()])),
+            let shard = write_host::<B>(
+                out.slice(at, at + range.len()),
+                Shape::from(vec![range.len()]),
                 device,
                 dtype,
             );

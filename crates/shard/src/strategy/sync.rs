@@ -6,7 +6,7 @@ use super::config::buckets;
 use super::params::{Path, replace_primitive};
 use crate::core::backend::Shard;
 use crate::core::error::ShardError;
-use crate::core::host::{Host, read, slice_local, write};
+use crate::core::host::{Host, read, read_host, slice_local, write_host};
 use crate::core::ops::local;
 use crate::core::tensor::{ShardTensor, Sharded};
 use crate::features::zero::flat;
@@ -216,7 +216,7 @@ impl Scatter {
             let (id, tensor, mapper) = param.consume();
             let whole = local::<B>(tensor.clone().inner().into_primitive().tensor());
             let numel = whole.shape().num_elements();
-            let host = Host::from_data(read::<B>(whole));
+            let host = read_host::<B>(whole);
             for peer in 1..world {
                 let range = shard_range(numel, self.shard_size, peer % self.shard_size);
                 let part = host.slice(range.start, range.end);
@@ -240,13 +240,13 @@ impl Scatter {
             };
             let device = B::float_device(&s.shard);
             let dtype = s.shard.dtype();
-            let mut host = Host::from_data(read::<B>(s.shard.clone()));
+            let mut host = read_host::<B>(s.shard.clone());
             self.group
                 .recv(host.buf_mut(), 0)
                 .unwrap_or_else(|e| fail(e));
             let len = host.len();
             ShardTensor::Sharded(Sharded {
-                shard: write::<B>(host.into_data([len]), &device, dtype),
+                shard: write_host::<B>(host, [len], &device, dtype),
                 shape: s.shape,
                 group: s.group,
                 ops: flat(),
@@ -380,7 +380,7 @@ where
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
             if self.indices.contains(&self.at) {
                 let t = local::<B>(p.val().inner().into_primitive().tensor());
-                self.floats.push(Host::from_data(read::<B>(t)));
+                self.floats.push(read_host::<B>(t));
             }
             self.at += 1;
         }
@@ -446,9 +446,9 @@ where
                 let t = local(t);
                 let (shape, dtype, device) = (t.shape(), t.dtype(), B::float_device(&t));
                 let n = shape.num_elements();
-                let data = floats.slice(*start, *start + n).into_data(shape);
+                let part = floats.slice(*start, *start + n);
                 *start += n;
-                ShardTensor::Local(write::<B>(data, &device, dtype))
+                ShardTensor::Local(write_host::<B>(part, shape, &device, dtype))
             });
             Param::from_mapped_value(id, tensor, mapper)
         }

@@ -23,7 +23,7 @@
 
 use crate::core::backend::Shard;
 use crate::core::dtype::widen;
-use crate::core::host::{Host, collective_failed, read, write};
+use crate::core::host::{collective_failed, read_host, write_host};
 use crate::core::scope;
 use crate::core::scope::BatchPattern as Seen;
 use crate::core::tensor::{Prim, ShardTensor};
@@ -69,10 +69,10 @@ pub(crate) fn on_reshape(before: Seen, input: &Shape, out: &Shape) {
 /// narrower dtype); an f32 tensor. `what` names the collective in a failure.
 fn summed<B: Backend>(t: Prim<B>, group: &dyn ProcessGroup, what: &str) -> Prim<B> {
     let (shape, device) = (t.shape(), B::float_device(&t));
-    let mut host = Host::from_data(read::<B>(widen::<B>(t, DType::F32)));
+    let mut host = read_host::<B>(widen::<B>(t, DType::F32));
     scope::waiting(|| group.all_reduce(host.buf_mut(), ReduceOp::Sum))
         .unwrap_or_else(|e| collective_failed(what, &shape, group, e));
-    write::<B>(host.into_data(shape), &device, DType::F32)
+    write_host::<B>(host, shape, &device, DType::F32)
 }
 
 /// `mean_dim(tensor, dim)` over the batch group, if the pattern is complete; the tensor back

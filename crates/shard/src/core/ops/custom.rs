@@ -3,7 +3,7 @@
 use super::policy::{local, record, record_compute_with, view};
 use crate::core::backend::Shard;
 use crate::core::dtype::{Precision, lowered, promote, promote2, widen};
-use crate::core::host::{Host, collective_failed, read, write};
+use crate::core::host::{collective_failed, read_host, write, write_host};
 use crate::core::scope;
 use crate::core::tensor::{
     Binary, Elementwise, Prim, ShardOps, ShardTensor, Sharded, ViewOp, WeightGrad,
@@ -73,10 +73,10 @@ pub(crate) fn float_random<B: Backend>(
                 _ => B::float_zeros(shape.clone(), device, dtype),
             };
             let dtype = t.dtype();
-            let mut host = Host::from_data(read::<B>(t));
+            let mut host = read_host::<B>(t);
             scope::waiting(|| group.broadcast(host.buf_mut(), 0))
                 .unwrap_or_else(|e| collective_failed("broadcast", &shape, group.as_ref(), e));
-            ShardTensor::Local(write::<B>(host.into_data(shape), device, dtype))
+            ShardTensor::Local(write_host::<B>(host, shape, device, dtype))
         }
         None => ShardTensor::Local(B::float_random(shape, distribution, device, dtype)),
     })
@@ -249,14 +249,10 @@ fn reduce_all<B: Backend>(
     } else {
         local_op(s.shard)
     };
-    let mut host = Host::from_data(read::<B>(partial));
+    let mut host = read_host::<B>(partial);
     scope::waiting(|| s.group.all_reduce(host.buf_mut(), op))
         .unwrap_or_else(|e| collective_failed("all-reduce", &s.shape, s.group.as_ref(), e));
-    ShardTensor::Local(write::<B>(
-        host.into_data(Shape::from(vec![1])),
-        &device,
-        dtype,
-    ))
+    ShardTensor::Local(write_host::<B>(host, Shape::from(vec![1]), &device, dtype))
 }
 
 pub(crate) fn float_sum<B: Backend>(tensor: FloatTensor<Shard<B>>) -> FloatTensor<Shard<B>> {
