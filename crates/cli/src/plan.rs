@@ -88,13 +88,6 @@ fn recipe(args: &PlanArgs) -> Result<Recipe> {
 }
 
 pub fn plan(args: &PlanArgs) -> Result<()> {
-    // Tensors read on shapes are zeros nobody looks at: served by fresh mappings, whose pages
-    // exist only once written (glibc's calloc skips clearing them), they cost no memory.
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets an allocator parameter.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-    }
     if args.price.is_some() && args.tokens.is_none() {
         bail!("--price prices a token budget: give --tokens too");
     }
@@ -106,6 +99,14 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
             bail!("--per-node must be at least 1");
         }
         profile.per_node = n;
+    }
+    // (After calibrating: the micro-benchmarks run as kiln train does.)
+    // Tensors read on shapes are zeros nobody looks at: served by fresh mappings, whose pages
+    // exist only once written (glibc's calloc skips clearing them), they cost no memory.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets an allocator parameter.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
     if args.search {
         return search(&recipe, &profile, args);

@@ -872,6 +872,11 @@ impl<B: Backend> Deferred<B> for Placed<B> {
         let add_bias = |y: Prim<B>| match b {
             Some(b) => {
                 let (y, b) = promote2::<B>(y, b);
+                // Backends' ops take operands of one rank: the bias as [1, .., 1, out].
+                let rank = y.shape().num_dims();
+                let mut dims = vec![1; rank.saturating_sub(1)];
+                dims.extend(b.shape().as_slice());
+                let b = B::float_reshape(b, Shape::from(dims));
                 B::float_add(y, b)
             }
             None => y,
