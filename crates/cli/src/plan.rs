@@ -40,7 +40,12 @@ pub struct PlanArgs {
 
 /// The plan of `recipe` on `profile`.
 pub fn plan_recipe(recipe: &Recipe, profile: &Profile) -> Result<Plan> {
-    let sim = kiln_plan::simulate(recipe, profile.per_node)?;
+    // Ranks on one machine's CPU run over kiln's local group; GPUs over NCCL.
+    let backend = match profile.sharing > 1 || profile.name == "cpu" {
+        true => "local",
+        false => "nccl",
+    };
+    let sim = kiln_plan::simulate(recipe, profile.per_node, backend)?;
     let p = &recipe.parallel;
     let layout = Layout {
         batch_size: recipe.train.batch_size,

@@ -78,6 +78,12 @@ pub trait ProcessGroup: AsAny + Send + Sync + fmt::Debug {
 
     /// Bytes sent and received by this rank on this group, per collective kind.
     fn stats(&self) -> CommStats;
+
+    /// Whether the group belongs to a simulated job (`kiln plan`): some of its ranks exist only
+    /// as numbers, and they write no files.
+    fn is_simulated(&self) -> bool {
+        false
+    }
 }
 
 /// Gives a `dyn ProcessGroup` its concrete type back (`group.downcast_ref::<NcclGroup>()`),

@@ -4,7 +4,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Distribution, Tensor};
 use kiln_comm::{BufMut, GroupOptions, LocalGroup, ProcessGroup, ReduceOp};
 use kiln_shard::Shard;
-use std::sync::OnceLock;
+use std::sync::Mutex;
 use std::time::Instant;
 
 /// What this machine measured.
@@ -12,13 +12,14 @@ use std::time::Instant;
 pub struct Calibration {
     /// Cores (threads the kernels use).
     pub cores: usize,
-    /// f32 matmul FLOP/s on all cores.
+    /// f32 matmul FLOP/s of one rank.
     pub matmul_f32: f64,
-    /// The rate of kiln's bf16/f16 matmuls on the CPU: they run Flex's f32 GEMM on widened
-    /// operands (`ops/fast.rs`), so the f32 rate.
+    /// The FLOP/s of a matmul through kiln's decorator under a bf16 policy.
     pub matmul_half: f64,
     /// Bytes/s of a large elementwise op (read two, write one).
     pub mem_bw: f64,
+    /// The same in bf16.
+    pub mem_bw_half: f64,
     /// Seconds per small op through `Autodiff<Shard<Flex>>` (dispatch, autodiff's graph).
     pub op_overhead: f64,
     /// Seconds of an all-reduce of one value between two ranks as threads.
@@ -36,10 +37,42 @@ fn best(reps: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
-/// Measures this machine once per process (about a second).
-pub fn measure() -> Calibration {
-    static ONCE: OnceLock<Calibration> = OnceLock::new();
-    *ONCE.get_or_init(run)
+/// Measures what one of `ranks` ranks as threads of this machine gets (about a second, once
+/// per process and number of ranks): the kernels run in a pool of the threads `kiln train`
+/// gives each rank, and where the ranks' threads outnumber the cores, the rates are divided
+/// by how many share each core.
+pub fn measure(ranks: usize) -> Calibration {
+    static DONE: Mutex<Vec<(usize, Calibration)>> = Mutex::new(Vec::new());
+    let ranks = ranks.max(1);
+    if let Some((_, c)) = DONE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .find(|(r, _)| *r == ranks)
+    {
+        return *c;
+    }
+    let threads = kiln_shard::threads::per_rank(ranks).unwrap_or(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let oversubscribed = ((ranks * threads) as f64 / cores as f64).max(1.0);
+    let mut c = kiln_shard::threads::with_own_pool(threads, run);
+    c.cores = cores;
+    c.matmul_f32 /= oversubscribed;
+    c.matmul_half /= oversubscribed;
+    c.mem_bw /= oversubscribed;
+    c.mem_bw_half /= oversubscribed;
+    c.op_overhead *= oversubscribed;
+    // The ranks stream memory at once: each gets at most its share of the machine's.
+    if ranks > 1 {
+        let all = measure(1).mem_bw;
+        c.mem_bw = c.mem_bw.min(all / ranks as f64);
+        let all_half = measure(1).mem_bw_half;
+        c.mem_bw_half = c.mem_bw_half.min(all_half / ranks as f64);
+    }
+    DONE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push((ranks, c));
+    c
 }
 
 fn run() -> Calibration {
@@ -55,7 +88,21 @@ fn run() -> Calibration {
     });
     let matmul_f32 = 2.0 * (m * k * n) as f64 / t;
 
-    let len = 1 << 24;
+    // kiln's 16-bit matmul on this CPU: through the decorator under a bf16 policy (operands
+    // narrowed, the product computed and widened as a training step does).
+    type S = Shard<Flex>;
+    let a16 = Tensor::<S, 2>::random([m, k], Distribution::Default, &device);
+    let b16 = Tensor::<S, 2>::random([k, n], Distribution::Default, &device);
+    let t = best(3, || {
+        kiln_shard::autocast(kiln_shard::Precision::BF16, || {
+            let c = a16.clone().matmul(b16.clone());
+            let _ = c.into_data();
+        })
+    });
+    let matmul_half = 2.0 * (m * k * n) as f64 / t;
+
+    // 16 MiB tensors: the size of a step's activations, served from the heap as theirs are.
+    let len = 1 << 22;
     let x = Tensor::<B, 1>::random([len], Distribution::Default, &device);
     let y = Tensor::<B, 1>::random([len], Distribution::Default, &device);
     let t = best(3, || {
@@ -63,6 +110,13 @@ fn run() -> Calibration {
         drop(z);
     });
     let mem_bw = 3.0 * (len * 4) as f64 / t;
+    let x16 = x.clone().cast(burn::tensor::DType::BF16);
+    let y16 = y.clone().cast(burn::tensor::DType::BF16);
+    let t = best(3, || {
+        let z = x16.clone() + y16.clone();
+        drop(z);
+    });
+    let mem_bw_half = 3.0 * (len * 2) as f64 / t;
 
     type K = Autodiff<Shard<Flex>>;
     let ops = 2000;
@@ -103,8 +157,9 @@ fn run() -> Calibration {
     Calibration {
         cores,
         matmul_f32,
-        matmul_half: matmul_f32,
+        matmul_half,
         mem_bw,
+        mem_bw_half,
         op_overhead,
         message_latency,
     }

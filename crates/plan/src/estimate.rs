@@ -107,12 +107,11 @@ pub fn comm_time(c: &Collective, p: &Profile) -> f64 {
 
 /// Seconds of compute for `w` on the profile, by one rank.
 pub fn compute_time(w: &Work, p: &Profile) -> f64 {
-    let share = p.sharing.max(1) as f64;
     let e = p.efficiency;
-    share
-        * (w.flops_f32 / (p.peak_f32 * e)
-            + w.flops_half / (p.peak_half * e)
-            + w.bytes / (p.mem_bw * e))
+    w.flops_f32 / (p.peak_f32 * e)
+        + w.flops_half / (p.peak_half * e)
+        + (w.bytes + w.contraction_bytes) / (p.mem_bw * e)
+        + w.bytes_half / (p.mem_bw_half * e)
         + w.ops as f64 * p.op_overhead
 }
 
@@ -235,7 +234,7 @@ pub fn estimate(sim: &Simulated, layout: &Layout, p: &Profile) -> Result<Plan, S
     let peak_flops = match layout.half {
         true => p.peak_half,
         false => p.peak_f32,
-    } / p.sharing.max(1) as f64;
+    };
     Ok(Plan {
         profile: p.name.clone(),
         world: sim.world,

@@ -125,6 +125,11 @@ pub struct Sim {
     pub role: Vec<usize>,
     /// Ranks per node.
     pub per_node: usize,
+    /// The group implementation the job would run on (`local` for ranks as threads, `nccl`
+    /// on GPUs): what the simulated groups report, so that kiln takes the same paths (on
+    /// `local` and `tcp`, overlapped reductions and ZeRO-3 prefetch on communication
+    /// threads; on NCCL, blocking collectives).
+    pub backend: &'static str,
 }
 
 /// A group of the simulated job (see the module's docs).
@@ -195,7 +200,10 @@ impl ProcessGroup for SimGroup {
         &self.name
     }
     fn backend(&self) -> &'static str {
-        "plan"
+        self.sim.backend
+    }
+    fn is_simulated(&self) -> bool {
+        true
     }
     fn timeout(&self) -> Duration {
         Duration::from_secs(300)

@@ -25,6 +25,9 @@ pub struct Profile {
     pub peak_half: f64,
     /// Device memory bandwidth, bytes/s.
     pub mem_bw: f64,
+    /// The rate of elementwise ops on 16-bit data, bytes/s (the bandwidth on GPUs; on CPUs
+    /// Flex converts each element, much slower).
+    pub mem_bw_half: f64,
     /// Bandwidth between ranks of one node, bytes/s per rank and direction.
     pub intra_bw: f64,
     /// Latency of a message between ranks of one node, seconds.
@@ -41,7 +44,8 @@ pub struct Profile {
     pub efficiency: f64,
     /// Where the efficiency comes from.
     pub efficiency_source: String,
-    /// Ranks that share this device's compute (ranks as threads of one CPU), else 1.
+    /// Ranks that share this device's memory (ranks as threads of one machine), else 1. The
+    /// rates above are one rank's.
     pub sharing: usize,
 }
 
@@ -76,6 +80,7 @@ fn gpu(
         peak_f32: f32_tflops * T,
         peak_half: half_tflops * T,
         mem_bw: mem_tbs * T,
+        mem_bw_half: mem_tbs * T,
         intra_bw: intra_gbs * GB,
         intra_lat: 10e-6,
         inter_bw: inter_gbs * GB,
@@ -185,18 +190,21 @@ pub fn profile(name: &str, ranks: usize) -> Result<Profile, String> {
 /// (Burn's Flex, as kiln runs it), the time of a small op through kiln's decorator, and a
 /// message between ranks as threads. `ranks` ranks as threads share the cores.
 pub fn calibrate_cpu(ranks: usize) -> Profile {
-    let c = crate::calibrate::measure();
+    let c = crate::calibrate::measure(ranks);
     let memory = crate::calibrate::physical_memory() as f64;
     Profile {
         name: "cpu".into(),
         description: format!(
-            "this machine: {} cores, {:.1} GiB (calibrated: f32 matmul {:.1} GFLOP/s, bf16 \
-             {:.1} GFLOP/s, memory {:.1} GB/s, {:.1} us per op)",
+            "this machine: {} cores, {:.1} GiB (calibrated per rank of {}: f32 matmul {:.1} \
+             GFLOP/s, bf16 {:.1} GFLOP/s, memory {:.1} GB/s, bf16 elementwise {:.1} GB/s, {:.1} \
+             us per op)",
             c.cores,
             memory / GIB,
+            ranks.max(1),
             c.matmul_f32 / 1e9,
             c.matmul_half / 1e9,
             c.mem_bw / 1e9,
+            c.mem_bw_half / 1e9,
             c.op_overhead * 1e6
         ),
         // Ranks as threads share the machine's memory: the plan checks their sum.
@@ -205,6 +213,7 @@ pub fn calibrate_cpu(ranks: usize) -> Profile {
         peak_f32: c.matmul_f32,
         peak_half: c.matmul_half,
         mem_bw: c.mem_bw,
+        mem_bw_half: c.mem_bw_half,
         intra_bw: c.mem_bw / 2.0,
         intra_lat: c.message_latency,
         inter_bw: 1.25 * GB,

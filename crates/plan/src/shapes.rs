@@ -102,8 +102,13 @@ pub struct Work {
     pub flops_half: f64,
     /// Operations of everything else (one per output element).
     pub elementwise: f64,
-    /// Bytes the ops other than contractions read and wrote (views move none).
+    /// Bytes the ops other than contractions read and wrote, in f32 or wider (views move
+    /// none).
     pub bytes: f64,
+    /// Bytes the ops other than contractions read and wrote, of ops writing a 16-bit dtype.
+    pub bytes_half: f64,
+    /// Bytes the contractions read and wrote (their operands and results).
+    pub contraction_bytes: f64,
     /// Ops run.
     pub ops: u64,
     /// Ops that were contractions.
@@ -116,6 +121,8 @@ impl Work {
         self.flops_half += o.flops_half;
         self.elementwise += o.elementwise;
         self.bytes += o.bytes;
+        self.contraction_bytes += o.contraction_bytes;
+        self.bytes_half += o.bytes_half;
         self.ops += o.ops;
         self.contractions += o.contractions;
     }
@@ -125,6 +132,8 @@ impl Work {
         self.flops_half -= o.flops_half;
         self.elementwise -= o.elementwise;
         self.bytes -= o.bytes;
+        self.contraction_bytes -= o.contraction_bytes;
+        self.bytes_half -= o.bytes_half;
         self.ops -= o.ops;
         self.contractions -= o.contractions;
     }
@@ -372,9 +381,16 @@ impl RunnerClient for ShapesClient {
             ops: 1,
             ..Work::default()
         };
+        let moved = || {
+            op.inputs()
+                .chain(op.outputs())
+                .map(|t| bytes_of(&t.shape, t.dtype) as f64)
+                .sum::<f64>()
+        };
         match contraction(&op) {
             Some((flops, dtype)) => {
                 work.contractions = 1;
+                work.contraction_bytes = moved();
                 match dtype.size() <= 2 {
                     true => work.flops_half = flops,
                     false => work.flops_f32 = flops,
@@ -383,11 +399,10 @@ impl RunnerClient for ShapesClient {
             None if is_view(&op) => {}
             None => {
                 work.elementwise = op.outputs().map(numel).sum();
-                work.bytes = op
-                    .inputs()
-                    .chain(op.outputs())
-                    .map(|t| bytes_of(&t.shape, t.dtype) as f64)
-                    .sum();
+                match op.outputs().any(|t| t.dtype.size() == 2 && t.dtype.is_float()) {
+                    true => work.bytes_half = moved(),
+                    false => work.bytes = moved(),
+                }
             }
         }
         count_work(&work);

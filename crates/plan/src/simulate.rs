@@ -1,4 +1,4 @@
-//! Running a recipe's training job on shapes: one rank per role, two steps.
+//! Running a recipe's training job on shapes: one rank per role, three steps.
 
 use crate::group::{Event, Sim, SimGroup, What, mark_compute_thread, record, take_events};
 use crate::shapes::{Shapes, ShapesDevice, reset_work};
@@ -35,8 +35,9 @@ pub struct Simulated {
 }
 
 /// The steps simulated: the first warms up (lazy state: optimizer moments, buffers), the
-/// second is measured.
-pub const STEPS: usize = 2;
+/// second starts ZeRO-3's prefetch (it replays the step before's order), the third is
+/// measured (memory: the worst step, as `kiln train` reports it).
+pub const STEPS: usize = 3;
 
 fn observe(begin: bool) {
     record(match begin {
@@ -46,12 +47,17 @@ fn observe(begin: bool) {
 }
 
 /// Runs `recipe`'s job (its world: `parallel.world_size`, else `parallel.ranks`) on shapes,
-/// `per_node` ranks to a node, simulating the first rank of each pipeline stage.
+/// `per_node` ranks to a node, its groups behaving as `backend`'s (`local`, `tcp` or `nccl`),
+/// simulating the first rank of each pipeline stage.
 ///
 /// # Errors
 /// The recipe's own errors (a layout that does not divide, a model that cannot be built), and
 /// an op the shape backend cannot run, by name.
-pub fn simulate(recipe: &Recipe, per_node: usize) -> Result<Simulated, TrainError> {
+pub fn simulate(
+    recipe: &Recipe,
+    per_node: usize,
+    backend: &'static str,
+) -> Result<Simulated, TrainError> {
     let started = Instant::now();
     let world = match recipe.parallel.world_size {
         0 => recipe.parallel.ranks,
@@ -81,6 +87,7 @@ pub fn simulate(recipe: &Recipe, per_node: usize) -> Result<Simulated, TrainErro
         simulated: simulated.clone(),
         role: (0..world).map(|r| (r / per_stage) * per_stage).collect(),
         per_node: per_node.max(1),
+        backend,
     });
     for &r in &simulated {
         reset_work(r);

@@ -11,7 +11,7 @@ fn default_recipe_on_shapes() {
         ],
     )
     .unwrap();
-    let s = kiln_plan::simulate(&recipe, 8).unwrap();
+    let s = kiln_plan::simulate(&recipe, 8, "local").unwrap();
     println!("elapsed {:?}", s.elapsed);
     for r in &s.roles {
         println!("rank {} stage {} memory {:?}", r.rank, r.stage, r.memory);

@@ -50,7 +50,7 @@ pub fn is_shared(dir: &Path, group: &dyn ProcessGroup) -> Result<bool> {
 fn probe(dir: &Path, group: &dyn ProcessGroup) -> Result<Vec<i64>> {
     let (rank, world) = (group.rank(), group.world_size());
     // A job simulated by `kiln plan` runs one rank per role; the others write nothing.
-    if world == 1 || group.backend() == "plan" {
+    if world == 1 || group.is_simulated() {
         return Ok(vec![world as i64; world]);
     }
     // A nonce from rank 0, so that the probes of an earlier run are never taken for this one's.
