@@ -98,6 +98,9 @@ pub struct TrainArgs {
     /// Print the default recipe (TOML, commented) and exit.
     #[arg(long)]
     print_recipe: bool,
+    /// Print what the run would need and take (`kiln plan` on this machine's CPU) and exit.
+    #[arg(long)]
+    plan_only: bool,
 }
 
 impl TrainArgs {
@@ -213,6 +216,9 @@ pub fn train(args: &TrainArgs) -> Result<()> {
     if recipe.lora.is_some() {
         bail!("the recipe has a [lora] section: fine-tune with `kiln finetune`");
     }
+    if args.plan_only {
+        return crate::plan::plan_only(&recipe);
+    }
     run(&recipe, args)
 }
 
@@ -261,7 +267,11 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
         );
         return Ok(());
     }
-    run(&finetune_recipe(args)?, t)
+    let recipe = finetune_recipe(args)?;
+    if t.plan_only {
+        return crate::plan::plan_only(&recipe);
+    }
+    run(&recipe, t)
 }
 
 /// The recipe `kiln finetune` runs with these arguments.

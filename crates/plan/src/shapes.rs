@@ -399,7 +399,10 @@ impl RunnerClient for ShapesClient {
             None if is_view(&op) => {}
             None => {
                 work.elementwise = op.outputs().map(numel).sum();
-                match op.outputs().any(|t| t.dtype.size() == 2 && t.dtype.is_float()) {
+                match op
+                    .outputs()
+                    .any(|t| t.dtype.size() == 2 && t.dtype.is_float())
+                {
                     true => work.bytes_half = moved(),
                     false => work.bytes = moved(),
                 }
