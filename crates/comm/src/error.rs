@@ -200,6 +200,15 @@ fn peer_name(peer: usize) -> String {
 /// The result type of this crate.
 pub type Result<T, E = CommError> = std::result::Result<T, E>;
 
+/// The error of a real group handed a shape-only buffer ([`BufRef::Shape`](crate::BufRef)):
+/// only a simulated group (`kiln plan`'s) takes them.
+pub fn shape_buffer(backend: &str, group: &str) -> CommError {
+    CommError::Config(format!(
+        "a shape-only buffer (a job simulated on shapes, kiln plan) reached the {backend} group \
+         '{group}': only a simulated group takes them"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,11 +240,3 @@ mod tests {
     }
 }
 
-/// The error of a real group handed a shape-only buffer ([`BufRef::Shape`](crate::BufRef)):
-/// only a simulated group (`kiln plan`'s) takes them.
-pub fn shape_buffer(backend: &str, group: &str) -> CommError {
-    CommError::Config(format!(
-        "a shape-only buffer (a job simulated on shapes, kiln plan) reached the {backend} group \
-         '{group}': only a simulated group takes them"
-    ))
-}

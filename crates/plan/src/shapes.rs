@@ -461,7 +461,7 @@ impl RunnerClient for ShapesClient {
     }
 
     fn register_tensor_data(&self, data: TensorData) -> RouterTensor<Self> {
-        let (shape, dtype) = (Shape::from(data.shape.clone()), data.dtype);
+        let (shape, dtype) = (data.shape.clone(), data.dtype);
         drop(data);
         self.new_tensor(shape, dtype)
     }

@@ -136,9 +136,7 @@ pub fn simulate(
     kiln_shard::account::set_shapes_only(false);
     let _ = std::fs::remove_dir_all(&out);
     if results.iter().any(Result::is_err) {
-        return Err(kiln_train::rank_zero_or_root_cause(results)
-            .err()
-            .expect("a rank failed"));
+        return Err(kiln_train::rank_zero_or_root_cause(results).expect_err("a rank failed"));
     }
     let summaries: Vec<kiln_train::Summary> = results.into_iter().flatten().collect();
     let mut roles = Vec::new();
