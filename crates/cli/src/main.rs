@@ -142,6 +142,24 @@ fn main() {
     let cli = Cli::parse();
     init_logging();
     let code = match &cli.command {
+        Command::Train(args) if args.plan_only() => {
+            match args.recipe().and_then(|r| plan::plan_only(&r)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("kiln train: error: {e:#}");
+                    1
+                }
+            }
+        }
+        Command::Finetune(args) if args.plan_only() => {
+            match train::finetune_recipe(args).and_then(|r| plan::plan_only(&r)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("kiln finetune: error: {e:#}");
+                    1
+                }
+            }
+        }
         Command::Train(args) => match train::train(args) {
             Ok(()) => 0,
             Err(e) => {

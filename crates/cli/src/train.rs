@@ -216,9 +216,6 @@ pub fn train(args: &TrainArgs) -> Result<()> {
     if recipe.lora.is_some() {
         bail!("the recipe has a [lora] section: fine-tune with `kiln finetune`");
     }
-    if args.plan_only {
-        return crate::plan::plan_only(&recipe);
-    }
     run(&recipe, args)
 }
 
@@ -267,11 +264,7 @@ pub fn finetune(args: &FinetuneArgs) -> Result<()> {
         );
         return Ok(());
     }
-    let recipe = finetune_recipe(args)?;
-    if t.plan_only {
-        return crate::plan::plan_only(&recipe);
-    }
-    run(&recipe, t)
+    run(&finetune_recipe(args)?, t)
 }
 
 /// The recipe `kiln finetune` runs with these arguments.
@@ -468,7 +461,24 @@ pub fn job_recipe(args: &FinetuneArgs) -> Result<Recipe> {
     }
 }
 
+impl TrainArgs {
+    /// `--plan-only`.
+    pub fn plan_only(&self) -> bool {
+        self.plan_only
+    }
+
+    /// The recipe `kiln train` runs with these arguments.
+    pub fn recipe(&self) -> Result<Recipe> {
+        Ok(Recipe::load(self.recipe.as_deref(), &self.overrides())?)
+    }
+}
+
 impl FinetuneArgs {
+    /// `--plan-only`.
+    pub fn plan_only(&self) -> bool {
+        self.train.plan_only
+    }
+
     /// Adds `--set` overrides (applied last).
     pub fn add_overrides(&mut self, o: &[String]) {
         self.train.set.extend(o.iter().cloned());
