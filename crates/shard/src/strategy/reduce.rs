@@ -320,7 +320,7 @@ pub(crate) fn cat(parts: &[Host]) -> Host {
 #[cfg(feature = "cuda")]
 mod on_device {
     use crate::core::scope::waiting;
-    use crate::core::tensor::{Restore, ShardTensor, Sharded};
+    use crate::core::tensor::{ShardTensor, Sharded};
     use crate::features::zero::flat;
     use crate::features::zero::on_device::{flat as flat1, is_nccl, padded, slice};
     use crate::strategy::reduce::{RankMajor, Reduction};
