@@ -14,6 +14,9 @@ pub struct Calibration {
     pub cores: usize,
     /// f32 matmul FLOP/s of one rank.
     pub matmul_f32: f64,
+    /// The share of the f32 matmul rate reached by [512, K] x [K, 512] products of K = 32,
+    /// 128, 512 and 2048 (the depth buckets of [`crate::Work::flops_by_depth`]).
+    pub depth_efficiency: [f64; 4],
     /// The FLOP/s of a matmul through kiln's decorator under a bf16 policy.
     pub matmul_half: f64,
     /// Bytes/s of a large elementwise op (read two, write one).
@@ -87,6 +90,14 @@ fn run() -> Calibration {
         let _ = c.into_data();
     });
     let matmul_f32 = 2.0 * (m * k * n) as f64 / t;
+    let depth_efficiency = [32, 128, 512, 2048].map(|depth| {
+        let a = Tensor::<B, 2>::random([512, depth], Distribution::Default, &device);
+        let b = Tensor::<B, 2>::random([depth, 512], Distribution::Default, &device);
+        let t = best(3, || {
+            let _ = a.clone().matmul(b.clone()).into_data();
+        });
+        (2.0 * (512 * 512 * depth) as f64 / t / matmul_f32).min(1.0)
+    });
 
     // kiln's 16-bit matmul on this CPU: through the decorator under a bf16 policy (operands
     // narrowed, the product computed and widened as a training step does).
@@ -158,6 +169,7 @@ fn run() -> Calibration {
         cores,
         matmul_f32,
         matmul_half,
+        depth_efficiency,
         mem_bw,
         mem_bw_half,
         op_overhead,

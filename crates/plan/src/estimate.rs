@@ -108,8 +108,20 @@ pub fn comm_time(c: &Collective, p: &Profile) -> f64 {
 /// Seconds of compute for `w` on the profile, by one rank.
 pub fn compute_time(w: &Work, p: &Profile) -> f64 {
     let e = p.efficiency;
-    w.flops_f32 / (p.peak_f32 * e)
-        + w.flops_half / (p.peak_half * e)
+    // The contractions' share of the peak, weighted by their FLOPs at each depth.
+    let total: f64 = w.flops_by_depth.iter().sum();
+    let depth = match total > 0.0 {
+        true => {
+            total
+                / w.flops_by_depth
+                    .iter()
+                    .zip(p.depth_efficiency)
+                    .map(|(f, d)| f / d.max(1e-3))
+                    .sum::<f64>()
+        }
+        false => 1.0,
+    };
+    (w.flops_f32 / (p.peak_f32 * e) + w.flops_half / (p.peak_half * e)) / depth
         + (w.bytes + w.contraction_bytes) / (p.mem_bw * e)
         + w.bytes_half / (p.mem_bw_half * e)
         + w.ops as f64 * p.op_overhead

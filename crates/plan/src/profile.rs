@@ -23,6 +23,9 @@ pub struct Profile {
     pub peak_f32: f64,
     /// Dense bf16/f16 FLOP/s (tensor cores).
     pub peak_half: f64,
+    /// The share of the peak a contraction reaches by the depth of its contracted dimension
+    /// (below 64, 256, 1024, and more: [`crate::Work::flops_by_depth`]).
+    pub depth_efficiency: [f64; 4],
     /// Device memory bandwidth, bytes/s.
     pub mem_bw: f64,
     /// The rate of elementwise ops on 16-bit data, bytes/s (the bandwidth on GPUs; on CPUs
@@ -79,6 +82,8 @@ fn gpu(
         reserved: 1.0 * GIB,
         peak_f32: f32_tflops * T,
         peak_half: half_tflops * T,
+        // Not measured on GPUs: the efficiency factor stands for all depths.
+        depth_efficiency: [1.0; 4],
         mem_bw: mem_tbs * T,
         mem_bw_half: mem_tbs * T,
         intra_bw: intra_gbs * GB,
@@ -212,6 +217,7 @@ pub fn calibrate_cpu(ranks: usize) -> Profile {
         reserved: 0.0,
         peak_f32: c.matmul_f32,
         peak_half: c.matmul_half,
+        depth_efficiency: c.depth_efficiency,
         mem_bw: c.mem_bw,
         mem_bw_half: c.mem_bw_half,
         intra_bw: c.mem_bw / 2.0,

@@ -100,6 +100,9 @@ pub struct Work {
     pub flops_f32: f64,
     /// Floating-point operations of contractions computing in a 16-bit dtype (bf16, f16).
     pub flops_half: f64,
+    /// Contraction FLOPs by the depth of their contracted dimension (K): below 64, below
+    /// 256, below 1024, and more (shallow products run far below a device's peak).
+    pub flops_by_depth: [f64; 4],
     /// Operations of everything else (one per output element).
     pub elementwise: f64,
     /// Bytes the ops other than contractions read and wrote, in f32 or wider (views move
@@ -119,6 +122,9 @@ impl Work {
     fn add(&mut self, o: &Work) {
         self.flops_f32 += o.flops_f32;
         self.flops_half += o.flops_half;
+        for (a, b) in self.flops_by_depth.iter_mut().zip(o.flops_by_depth) {
+            *a += b;
+        }
         self.elementwise += o.elementwise;
         self.bytes += o.bytes;
         self.contraction_bytes += o.contraction_bytes;
@@ -130,6 +136,9 @@ impl Work {
     fn sub(&mut self, o: &Work) {
         self.flops_f32 -= o.flops_f32;
         self.flops_half -= o.flops_half;
+        for (a, b) in self.flops_by_depth.iter_mut().zip(o.flops_by_depth) {
+            *a -= b;
+        }
         self.elementwise -= o.elementwise;
         self.bytes -= o.bytes;
         self.contraction_bytes -= o.contraction_bytes;
@@ -330,12 +339,18 @@ fn numel(t: &TensorIr) -> f64 {
     t.shape.num_elements() as f64
 }
 
-/// Multiply-adds x 2 of a contraction, and the dtype it computes in; `None` for other ops.
-fn contraction(op: &OperationIr) -> Option<(f64, DType)> {
+/// Multiply-adds x 2 of a contraction, the dtype it computes in and its contracted
+/// dimension; `None` for other ops.
+fn contraction(op: &OperationIr) -> Option<(f64, DType, f64)> {
     use ModuleOperationIr as M;
     let (flops, dtype) = match op {
         OperationIr::Float(dtype, FloatOperationIr::Matmul(m)) => {
             (2.0 * numel(&m.out) * last(&m.lhs), *dtype)
+        }
+        OperationIr::Module(M::LinearWeightBackward(l)) => {
+            // Contracted over the tokens.
+            let k = numel(&l.x) / last(&l.x);
+            return Some((2.0 * numel(&l.x) * last(&l.output_grad), l.out.dtype, k));
         }
         OperationIr::Module(m) => match m {
             // weight [in, out]
@@ -358,7 +373,9 @@ fn contraction(op: &OperationIr) -> Option<(f64, DType)> {
         },
         _ => return None,
     };
-    Some((flops, dtype))
+    // The contracted dimension: flops / (2 x output elements).
+    let out = op.outputs().map(numel).sum::<f64>().max(1.0);
+    Some((flops, dtype, flops / (2.0 * out)))
 }
 
 /// 2 x output elements x (input channels per group x kernel elements): the weight is
@@ -388,8 +405,15 @@ impl RunnerClient for ShapesClient {
                 .sum::<f64>()
         };
         match contraction(&op) {
-            Some((flops, dtype)) => {
+            Some((flops, dtype, depth)) => {
                 work.contractions = 1;
+                let bucket = match depth {
+                    d if d < 64.0 => 0,
+                    d if d < 256.0 => 1,
+                    d if d < 1024.0 => 2,
+                    _ => 3,
+                };
+                work.flops_by_depth[bucket] = flops;
                 work.contraction_bytes = moved();
                 match dtype.size() <= 2 {
                     true => work.flops_half = flops,

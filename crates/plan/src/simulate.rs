@@ -35,9 +35,15 @@ pub struct Simulated {
 }
 
 /// The steps simulated: the first warms up (lazy state: optimizer moments, buffers), the
-/// second starts ZeRO-3's prefetch (it replays the step before's order), the third is
-/// measured (memory: the worst step, as `kiln train` reports it).
-pub const STEPS: usize = 3;
+/// second starts ZeRO-3's prefetch where the group has communication threads (it replays the
+/// step before's order), the last is measured (memory: the worst step, as `kiln train`
+/// reports it). On NCCL (no prefetch) the second step is already the steady state.
+pub fn steps(backend: &str) -> usize {
+    match backend {
+        "nccl" => 2,
+        _ => 3,
+    }
+}
 
 fn observe(begin: bool) {
     record(match begin {
@@ -68,7 +74,7 @@ pub fn simulate(
     let mut recipe = recipe.clone();
     recipe.parallel.ranks = world;
     recipe.parallel.world_size = 0;
-    recipe.train.steps = STEPS;
+    recipe.train.steps = steps(backend);
     recipe.train.eval_every = 0;
     recipe.train.sample_chars = 0;
     recipe.output.snapshot_every = 0;
