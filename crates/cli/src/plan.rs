@@ -106,7 +106,6 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         profile.per_node = n;
     }
     // (After calibrating: the micro-benchmarks run as kiln train does.)
-    lazy_zeros();
     if args.search {
         return search(&recipe, &profile, args);
     }
@@ -128,17 +127,6 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
-/// Tensors read on shapes are zeros nobody looks at: served by fresh mappings, whose pages
-/// exist only once written (glibc's calloc skips clearing them), they cost no memory. Called
-/// after calibrating (the micro-benchmarks run as `kiln train` does).
-fn lazy_zeros() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets an allocator parameter.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-    }
-}
-
 /// `kiln train --plan-only` / `kiln finetune --plan-only`: the plan of the run on this
 /// machine's CPU.
 pub fn plan_only(recipe: &Recipe) -> Result<()> {
@@ -146,7 +134,6 @@ pub fn plan_only(recipe: &Recipe) -> Result<()> {
     recipe.parallel.ranks = world(&recipe).max(1);
     recipe.parallel.world_size = 0;
     let profile = kiln_plan::profile("cpu", recipe.parallel.ranks).map_err(anyhow::Error::msg)?;
-    lazy_zeros();
     let plan = plan_recipe(&recipe, &profile)?;
     for line in report(&recipe, &profile, &plan, None) {
         println!("{line}");

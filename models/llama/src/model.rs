@@ -68,15 +68,13 @@ impl Rope {
     ) -> RopeTables<B> {
         let d = self.head_dim;
         let seq = cos.len() / d;
-        // Position-major, then head, as the projection's `[batch, seq, heads * head_dim]`.
+        // Position-major, then head, as the projection's `[batch, seq, heads * head_dim]`:
+        // one position's values made on the host, repeated over the heads on the device.
         let row = |table: &[f64]| {
-            let mut values = Vec::with_capacity(seq * heads * d);
-            for position in table.chunks(d) {
-                for _ in 0..heads {
-                    values.extend(position.iter().map(|&v| (v * scale) as f32));
-                }
-            }
-            Tensor::from_data(TensorData::new(values, [1, seq * heads * d]), device)
+            let values: Vec<f32> = table.iter().map(|&v| (v * scale) as f32).collect();
+            Tensor::<B, 3>::from_data(TensorData::new(values, [seq, 1, d]), device)
+                .repeat_dim(1, heads)
+                .reshape([1, seq * heads * d])
         };
         // `x · R = rotate_half(x) = cat(-x2, x1)`: a signed permutation.
         let half = d / 2;

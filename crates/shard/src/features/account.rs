@@ -191,6 +191,12 @@ impl RankMemory {
     }
 }
 
+/// Zeroed blocks of at least this many bytes are fresh mappings on shapes (see
+/// `RankAlloc::alloc_zeroed`).
+const MAPPED_ZEROS: usize = 32 << 20;
+/// The kind's flag of a block that is a mapping of its own.
+const MAPPED: usize = 1 << 62;
+
 /// A global allocator that counts live and peak heap bytes per rank (ranks as threads
 /// included, any number of them) and per [`MemKind`]: each allocation carries a 16-byte header
 /// naming the counters and kind of the thread that made it, so it is subtracted from the right
@@ -253,18 +259,44 @@ unsafe impl std::alloc::GlobalAlloc for RankAlloc {
         let Some((outer, pad)) = Self::header(layout) else {
             return std::ptr::null_mut();
         };
-        // SAFETY: `outer` has a non-zero size. The system's zeroed allocation (a `calloc`:
-        // fresh pages are not written, so large zeroed buffers cost nothing until used).
-        let base = unsafe { std::alloc::System.alloc_zeroed(outer) };
+        // A job on shapes (`kiln plan`) reads large tensors as zeros nobody looks at: a fresh
+        // mapping, whose pages exist only once written, makes them cost no memory. Otherwise
+        // the system's zeroed allocation (kept in the heap, as `keep_freed_memory` wants).
+        let mapped = outer.size() >= MAPPED_ZEROS && scope::shapes_only();
+        let base = match mapped {
+            // SAFETY: an anonymous private mapping of `outer.size()` bytes (page-aligned,
+            // which covers `outer`'s alignment up to a page).
+            true if outer.align() <= 4096 => unsafe {
+                let p = libc::mmap(
+                    std::ptr::null_mut(),
+                    outer.size(),
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                if p == libc::MAP_FAILED {
+                    std::ptr::null_mut()
+                } else {
+                    p as *mut u8
+                }
+            },
+            // SAFETY: `outer` has a non-zero size.
+            _ => unsafe { std::alloc::System.alloc_zeroed(outer) },
+        };
         if base.is_null() {
             return base;
         }
         let tag = scope::tag();
+        let kind = match mapped && outer.align() <= 4096 {
+            true => tag.kind | MAPPED,
+            false => tag.kind,
+        };
         // SAFETY: as in `alloc`.
         unsafe {
             let p = base.add(pad);
             (p.sub(16) as *mut usize).write(tag.counters);
-            (p.sub(8) as *mut usize).write(tag.kind);
+            (p.sub(8) as *mut usize).write(kind);
             Self::count(tag, layout.size(), true);
             RANK_ALLOC_IN_USE.store(true, Relaxed);
             p
@@ -273,15 +305,22 @@ unsafe impl std::alloc::GlobalAlloc for RankAlloc {
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
         let (outer, pad) = Self::header(layout).expect("allocated with this layout");
-        // SAFETY: `ptr` came from `alloc` with this layout: the tag sits in the 16 bytes before
-        // it and the block starts `pad` bytes before it.
+        // SAFETY: `ptr` came from `alloc` or `alloc_zeroed` with this layout: the tag sits in
+        // the 16 bytes before it and the block starts `pad` bytes before it (a mapping when
+        // the kind carries `MAPPED`).
         unsafe {
+            let kind = (ptr.sub(8) as *const usize).read();
             let tag = Tag {
                 counters: (ptr.sub(16) as *const usize).read(),
-                kind: (ptr.sub(8) as *const usize).read(),
+                kind: kind & !MAPPED,
             };
             Self::count(tag, layout.size(), false);
-            std::alloc::System.dealloc(ptr.sub(pad), outer);
+            match kind & MAPPED != 0 {
+                true => {
+                    libc::munmap(ptr.sub(pad) as *mut libc::c_void, outer.size());
+                }
+                false => std::alloc::System.dealloc(ptr.sub(pad), outer),
+            }
         }
     }
 }
