@@ -28,7 +28,7 @@ pub enum Host {
         /// Number of elements.
         len: usize,
         /// The bytes, counted.
-        held: crate::features::account::Counted,
+        held: super::scope::Counted,
     },
 }
 
@@ -47,7 +47,7 @@ impl Host {
         Host::Shape {
             dtype,
             len,
-            held: crate::features::account::Counted::new(len * dtype.size()),
+            held: super::scope::Counted::new(len * dtype.size()),
         }
     }
     /// The data's elements (see [`HostBuffer::from_data`]).

@@ -116,6 +116,49 @@ impl RankCounters {
     }
 }
 
+/// Whether a per-rank counting allocator (`account::RankAlloc`) or shape-only tensors have
+/// counted anything in this process.
+pub static RANK_ALLOC_IN_USE: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Bytes that exist only as a count: a shape-only backend's tensors (`kiln plan`) hold no data,
+/// but the memory they stand for is counted as kiln's accounting allocator (`account::RankAlloc`) counts a real allocation, to the
+/// rank and [`MemKind`] of the thread that makes it, and uncounted when the last holder drops
+/// it. So a step run on shapes fills the same per-rank counters a real step does.
+#[derive(Debug)]
+pub struct Counted {
+    bytes: usize,
+    tag: Tag,
+}
+
+impl Counted {
+    /// `bytes` counted now to this thread's rank and kind (to nobody when the thread has no
+    /// rank).
+    pub fn new(bytes: usize) -> Counted {
+        let tag = tag();
+        if let Some(c) = tag.counters() {
+            c.count(tag.kind, bytes, true);
+        }
+        if tag.counters().is_some() {
+            RANK_ALLOC_IN_USE.store(true, Relaxed);
+        }
+        Counted { bytes, tag }
+    }
+
+    /// The bytes counted.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if let Some(c) = self.tag.counters() {
+            c.count(self.tag.kind, self.bytes, false);
+        }
+    }
+}
+
 /// Every rank's counters seen by this process, in the order they were first used.
 static RANKS: Mutex<Vec<&'static RankCounters>> = Mutex::new(Vec::new());
 

@@ -15,8 +15,8 @@ use std::marker::PhantomData;
 use std::sync::atomic::Ordering::Relaxed;
 
 pub use crate::core::scope::{
-    MemKind, attribute_to_rank, comm_wait, current_kind, current_rank, on_queue, set_shapes_only,
-    shapes_only, waiting, with_kind,
+    Counted, MemKind, attribute_to_rank, comm_wait, current_kind, current_rank, on_queue,
+    set_shapes_only, shapes_only, waiting, with_kind,
 };
 
 fn held<B: Backend>(t: &ShardTensor<B>) -> usize {
@@ -137,7 +137,7 @@ unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
     }
 }
 
-static RANK_ALLOC_IN_USE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+use crate::core::scope::RANK_ALLOC_IN_USE;
 
 /// What one rank holds on the heap, by kind, as counted by [`RankAlloc`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -396,40 +396,6 @@ impl MemoryProbe {
                 now.peak_by_kind[k].saturating_sub(self.start.live[k])
             }),
         }
-    }
-}
-
-/// Bytes that exist only as a count: a shape-only backend's tensors (`kiln plan`) hold no data,
-/// but the memory they stand for is counted as [`RankAlloc`] counts a real allocation, to the
-/// rank and [`MemKind`] of the thread that makes it, and uncounted when the last holder drops
-/// it. So a step run on shapes fills the same per-rank counters a real step does.
-#[derive(Debug)]
-pub struct Counted {
-    bytes: usize,
-    tag: Tag,
-}
-
-impl Counted {
-    /// `bytes` counted now to this thread's rank and kind (to nobody when the thread has no
-    /// rank).
-    pub fn new(bytes: usize) -> Counted {
-        let tag = scope::tag();
-        RankAlloc::count(tag, bytes, true);
-        if tag.counters().is_some() {
-            RANK_ALLOC_IN_USE.store(true, Relaxed);
-        }
-        Counted { bytes, tag }
-    }
-
-    /// The bytes counted.
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        RankAlloc::count(self.tag, self.bytes, false);
     }
 }
 
