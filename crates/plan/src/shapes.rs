@@ -394,6 +394,7 @@ impl RunnerClient for ShapesClient {
             lock(&self.state.tensors).remove(&t.id);
             return;
         }
+        let view = is_view(&op);
         let mut work = Work {
             ops: 1,
             ..Work::default()
@@ -420,7 +421,7 @@ impl RunnerClient for ShapesClient {
                     false => work.flops_f32 = flops,
                 }
             }
-            None if is_view(&op) => {}
+            None if view => {}
             None => {
                 work.elementwise = op.outputs().map(numel).sum();
                 match op
@@ -436,7 +437,6 @@ impl RunnerClient for ShapesClient {
 
         let mut tensors = lock(&self.state.tensors);
         let inputs: Vec<&TensorIr> = op.inputs().collect();
-        let view = is_view(&op);
         let elementwise = is_elementwise(&op);
         // Memory of consumed inputs: freed after the op, or taken over by its output.
         let mut consumed: Vec<(TensorId, Option<Arc<Counted>>)> = inputs

@@ -221,6 +221,26 @@ impl RankAlloc {
         ))
     }
 
+    /// Writes this thread's tag (its kind with `flag`) into the header of block `base` and
+    /// counts `size` bytes: the pointer handed out, `pad` bytes into the block.
+    ///
+    /// # Safety
+    /// `base` is a fresh block with `pad >= 16` bytes (a multiple of 8, `base` 8-aligned)
+    /// before the caller's `size` bytes.
+    unsafe fn tagged(base: *mut u8, pad: usize, size: usize, flag: usize) -> *mut u8 {
+        let tag = scope::tag();
+        // SAFETY: both slots lie in the `pad` bytes before the returned pointer and are
+        // 8-aligned (the caller's contract).
+        unsafe {
+            let p = base.add(pad);
+            (p.sub(16) as *mut usize).write(tag.counters);
+            (p.sub(8) as *mut usize).write(tag.kind | flag);
+            Self::count(tag, size, true);
+            RANK_ALLOC_IN_USE.store(true, Relaxed);
+            p
+        }
+    }
+
     fn count(tag: Tag, size: usize, add: bool) {
         if let Some(c) = tag.counters() {
             RankCounters::count(c, tag.kind, size, add);
@@ -242,17 +262,8 @@ unsafe impl std::alloc::GlobalAlloc for RankAlloc {
         if base.is_null() {
             return base;
         }
-        let tag = scope::tag();
-        // SAFETY: `pad >= 16` bytes precede the returned pointer inside the block; both slots
-        // are 8-aligned since `pad` is a multiple of 8 and `base` is at least 8-aligned.
-        unsafe {
-            let p = base.add(pad);
-            (p.sub(16) as *mut usize).write(tag.counters);
-            (p.sub(8) as *mut usize).write(tag.kind);
-            Self::count(tag, layout.size(), true);
-            RANK_ALLOC_IN_USE.store(true, Relaxed);
-            p
-        }
+        // SAFETY: `base` is a fresh block of `outer` bytes, `pad` of them before the caller's.
+        unsafe { Self::tagged(base, pad, layout.size(), 0) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
@@ -287,20 +298,12 @@ unsafe impl std::alloc::GlobalAlloc for RankAlloc {
         if base.is_null() {
             return base;
         }
-        let tag = scope::tag();
-        let kind = match mapped && outer.align() <= 4096 {
-            true => tag.kind | MAPPED,
-            false => tag.kind,
+        let flag = match mapped && outer.align() <= 4096 {
+            true => MAPPED,
+            false => 0,
         };
         // SAFETY: as in `alloc`.
-        unsafe {
-            let p = base.add(pad);
-            (p.sub(16) as *mut usize).write(tag.counters);
-            (p.sub(8) as *mut usize).write(kind);
-            Self::count(tag, layout.size(), true);
-            RANK_ALLOC_IN_USE.store(true, Relaxed);
-            p
-        }
+        unsafe { Self::tagged(base, pad, layout.size(), flag) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
