@@ -454,9 +454,15 @@ impl RunnerClient for ShapesClient {
                     .and_then(|(_, m)| m.clone())
                     .or_else(|| tensors.get(&first).cloned())
             } else if elementwise {
+                // In place only where no other tensor shares the memory (a view of it, or the
+                // tensor it is a view of, still alive), as Flex writes in place only into
+                // storage nobody else holds.
                 consumed
                     .iter_mut()
-                    .find(|(_, m)| m.as_ref().is_some_and(|m| m.bytes() == size))
+                    .find(|(_, m)| {
+                        m.as_ref()
+                            .is_some_and(|m| m.bytes() == size && Arc::strong_count(m) == 1)
+                    })
                     .and_then(|(_, m)| m.take())
             } else {
                 None

@@ -107,7 +107,7 @@ pub(crate) fn widen<B: Backend>(
     if t.dtype() == dtype {
         t
     } else {
-        B::float_cast(t, dtype.into())
+        super::ops::fast::cast::<B>(t, dtype.into())
     }
 }
 

@@ -188,12 +188,7 @@ pub fn write<B: Backend>(
     device: &B::Device,
     dtype: DType,
 ) -> B::FloatTensorPrimitive {
-    let t = B::float_from_data(data, device);
-    if t.dtype() == dtype {
-        t
-    } else {
-        B::float_cast(t, dtype.into())
-    }
+    crate::core::dtype::widen::<B>(B::float_from_data(data, device), dtype)
 }
 
 /// Panics with the rank, the operation and the shape: Burn's op signatures cannot return

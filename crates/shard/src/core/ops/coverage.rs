@@ -2,20 +2,30 @@
 //! left silently on its default (which would replace the inner backend's kernels by Burn's
 //! compositions, and bypass the sharding policies).
 
-/// Method names per trait, parsed from burn-backend 0.21.0's sources in the cargo registry.
+/// Method names per trait, parsed from burn-backend 0.21.0's sources: the workspace's patched
+/// copy (`vendor/burn-backend`, what kiln builds against), else the cargo registry's.
 fn trait_methods(file: &str, trait_name: &str) -> Vec<String> {
+    let vendored = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../vendor/burn-backend/src/backend")
+        .join(file);
     let home = std::env::var("CARGO_HOME")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|_| {
             std::path::PathBuf::from(std::env::var("HOME").expect("HOME")).join(".cargo")
         });
     let registry = home.join("registry/src");
-    let src = std::fs::read_dir(&registry)
-        .expect("cargo registry sources (run a build first)")
-        .flatten()
-        .map(|d| d.path().join("burn-backend-0.21.0/src/backend").join(file))
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("burn-backend-0.21.0 sources not found under {registry:?}"));
+    let src = Some(vendored)
+        .filter(|p| p.exists())
+        .or_else(|| {
+            std::fs::read_dir(&registry)
+                .ok()?
+                .flatten()
+                .map(|d| d.path().join("burn-backend-0.21.0/src/backend").join(file))
+                .find(|p| p.exists())
+        })
+        .unwrap_or_else(|| {
+            panic!("burn-backend-0.21.0 sources not found (vendor/ or {registry:?})")
+        });
     let text = std::fs::read_to_string(src).expect("readable");
     let start = text
         .find(&format!("pub trait {trait_name}"))

@@ -22,18 +22,136 @@ type Prim<B> = <B as burn_backend::BackendTypes>::FloatTensorPrimitive;
 
 /// `exp` of an inner tensor.
 pub(crate) fn exp<B: Backend>(t: Prim<B>) -> Prim<B> {
-    if !on_flex_f32::<B>(&t) {
-        return B::float_exp(t);
+    if on_flex_f32::<B>(&t) {
+        return map::<B>(t, exp_slice);
     }
-    map::<B>(t, exp_slice)
+    half_map::<B>(t, exp_slice).unwrap_or_else(B::float_exp)
 }
 
 /// `sigmoid` of an inner tensor: `1 / (1 + exp(-x))`.
 pub(crate) fn sigmoid<B: Backend>(t: Prim<B>) -> Prim<B> {
-    if !on_flex_f32::<B>(&t) {
-        return B::sigmoid(t);
+    if on_flex_f32::<B>(&t) {
+        return map::<B>(t, sigmoid_slice);
     }
-    map::<B>(t, sigmoid_slice)
+    half_map::<B>(t, sigmoid_slice).unwrap_or_else(B::sigmoid)
+}
+
+/// The Flex tensor behind an inner tensor, when the backend is Flex.
+fn flex<B: Backend>(t: &Prim<B>) -> Option<&burn_flex::FlexTensor> {
+    if TypeId::of::<B>() != TypeId::of::<burn_flex::Flex>() {
+        return None;
+    }
+    (t as &dyn std::any::Any).downcast_ref()
+}
+
+/// Values per piece a half-precision op widens at a time: the f32 buffers stay small (4 MiB).
+const PIECE: usize = 1 << 20;
+
+/// `f` (an f32 kernel) over a bf16 or f16 Flex tensor: a piece at a time widened to f32, the
+/// kernel applied, rounded back into the result (Flex 0.21 runs half-precision `exp` and
+/// `sigmoid` as a scalar loop through libm). The values are the f32 kernel's, rounded once.
+/// Hands the tensor back unless it is a half-precision Flex tensor.
+fn half_map<B: Backend>(t: Prim<B>, f: fn(&mut [f32])) -> Result<Prim<B>, Prim<B>> {
+    use half::{bf16, f16};
+    fn run<H: Copy + Send + Sync + burn_backend::Element + bytemuck::Pod + Default>(
+        xs: &[H],
+        shape: Vec<usize>,
+        to_f32: impl Fn(H) -> f32 + Sync,
+        from_f32: impl Fn(f32) -> H + Sync,
+        f: fn(&mut [f32]),
+    ) -> burn_backend::TensorData {
+        use rayon::prelude::*;
+        let mut out = vec![H::default(); xs.len()];
+        out.par_chunks_mut(PIECE / 16)
+            .zip(xs.par_chunks(PIECE / 16))
+            .for_each(|(o, x)| {
+                let mut wide: Vec<f32> = x.iter().map(|v| to_f32(*v)).collect();
+                f(&mut wide);
+                o.iter_mut().zip(&wide).for_each(|(o, w)| *o = from_f32(*w));
+            });
+        burn_backend::TensorData::new(out, shape)
+    }
+    let Some(x) = flex::<B>(&t) else {
+        return Err(t);
+    };
+    let contiguous;
+    let x = match x.layout().contiguous_offsets() {
+        Some(_) => x,
+        None => {
+            contiguous = x.to_contiguous();
+            &contiguous
+        }
+    };
+    let shape = x.layout().shape().to_vec();
+    let data = match x.dtype() {
+        DType::BF16 => x
+            .as_slice::<bf16>()
+            .map(|xs| run(xs, shape, |v| v.to_f32(), bf16::from_f32, f)),
+        DType::F16 => x
+            .as_slice::<f16>()
+            .map(|xs| run(xs, shape, |v| v.to_f32(), f16::from_f32, f)),
+        _ => None,
+    };
+    let Some(data) = data else {
+        return Err(t);
+    };
+    Ok(B::float_from_data(data, &B::float_device(&t)))
+}
+
+/// A binary op of two bf16 (or two f16) Flex tensors of different shapes (one broadcasts):
+/// Flex 0.21 walks such operands element by element through a strided iterator, about 20
+/// times slower than its f32 kernel (attention's mask, softmax's max and sum, their
+/// gradients). Here the output is formed in pieces along its first dimension: each piece's
+/// operands widened to f32, `f` run by Flex's f32 kernel, the result rounded back to the half
+/// type: the same values (the f32 op of the widened operands, rounded once, is what Flex's half
+/// kernel computes). Any other case runs `f` on the operands as they are.
+pub(crate) fn half_broadcast<B: Backend>(
+    a: Prim<B>,
+    b: Prim<B>,
+    f: &dyn Fn(Prim<B>, Prim<B>) -> Prim<B>,
+) -> Prim<B> {
+    use burn_backend::FloatDType;
+    let dtype = a.dtype();
+    let (sa, sb) = (a.shape(), b.shape());
+    let fits = flex::<B>(&a).is_some()
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && b.dtype() == dtype
+        && sa != sb
+        && sa.num_dims() == sb.num_dims()
+        && sa.num_dims() > 0
+        && (0..sa.num_dims()).all(|d| sa[d] == sb[d] || sa[d] == 1 || sb[d] == 1);
+    if !fits {
+        return f(a, b);
+    }
+    let rows = sa[0].max(sb[0]);
+    let per_row = (1..sa.num_dims())
+        .map(|d| sa[d].max(sb[d]))
+        .product::<usize>()
+        .max(1);
+    let step = (PIECE / per_row).max(1);
+    let half: FloatDType = dtype.into();
+    let piece = |t: &Prim<B>, start: usize, end: usize| {
+        let t = match t.shape()[0] {
+            1 => t.clone(),
+            _ if start == 0 && end == rows => t.clone(),
+            _ => B::float_slice(
+                t.clone(),
+                &[burn_std::Slice::new(start as isize, Some(end as isize), 1)],
+            ),
+        };
+        cast::<B>(t, FloatDType::F32)
+    };
+    let parts: Vec<Prim<B>> = (0..rows)
+        .step_by(step)
+        .map(|start| {
+            let end = (start + step).min(rows);
+            cast::<B>(f(piece(&a, start, end), piece(&b, start, end)), half)
+        })
+        .collect();
+    match parts.len() {
+        1 => parts.into_iter().next().expect("one part"),
+        _ => B::float_cat(parts, 0),
+    }
 }
 
 fn on_flex_f32<B: Backend>(t: &Prim<B>) -> bool {
@@ -140,6 +258,72 @@ fn exp_wide(x: f32) -> f64 {
     p = p * r + 1.0;
     p = p * r + 1.0;
     p * f64::from_bits(((n as i64 + 1023) as u64) << 52)
+}
+
+/// `t` cast to `dtype`. Flex 0.21 casts through an f64 copy of the whole tensor (8 bytes per
+/// element beside the result) and one scalar loop: under mixed precision, where every
+/// compute-bound op narrows its inputs and every meeting of a half and an f32 operand widens
+/// one, that copy was the peak of a bf16 step's backward and much of its time. On Flex,
+/// between f32 and bf16/f16, the values are converted directly (on Rayon's threads for large
+/// tensors) into the result, no intermediate. Widening and f16 give Flex's values; f32 to bf16
+/// rounds to nearest, ties to even, as PyTorch does, where Flex's `bf16::from_f64` rounds some
+/// values just above a tie down (9248.003 to 9216 instead of 9280). Other backends and dtypes
+/// keep the backend's cast.
+pub(crate) fn cast<B: Backend>(t: Prim<B>, dtype: burn_backend::FloatDType) -> Prim<B> {
+    use half::{bf16, f16};
+    let to = DType::from(dtype);
+    if TypeId::of::<B>() != TypeId::of::<burn_flex::Flex>() || t.dtype() == to {
+        return B::float_cast(t, dtype);
+    }
+    let Some(flex) = (&t as &dyn std::any::Any).downcast_ref::<burn_flex::FlexTensor>() else {
+        return B::float_cast(t, dtype);
+    };
+    let contiguous;
+    let flex = match flex.layout().contiguous_offsets() {
+        Some(_) => flex,
+        None => {
+            contiguous = flex.to_contiguous();
+            &contiguous
+        }
+    };
+    let shape = flex.layout().shape().to_vec();
+    let data = match (flex.dtype(), to) {
+        (DType::F32, DType::BF16) => flex
+            .as_slice::<f32>()
+            .map(|v| data(v, bf16::from_f32, &shape)),
+        (DType::F32, DType::F16) => flex
+            .as_slice::<f32>()
+            .map(|v| data(v, f16::from_f32, &shape)),
+        (DType::BF16, DType::F32) => flex
+            .as_slice::<bf16>()
+            .map(|v| data(v, bf16::to_f32, &shape)),
+        (DType::F16, DType::F32) => flex.as_slice::<f16>().map(|v| data(v, f16::to_f32, &shape)),
+        _ => None,
+    };
+    match data {
+        Some(data) => B::float_from_data(data, &B::float_device(&t)),
+        // Another pair of dtypes.
+        None => B::float_cast(t, dtype),
+    }
+}
+
+/// `xs` each converted by `f`, as a tensor of `shape`.
+fn data<S: Copy + Sync, T: burn_backend::Element + Default + Send>(
+    xs: &[S],
+    f: impl Fn(S) -> T + Sync,
+    shape: &[usize],
+) -> burn_backend::TensorData {
+    const CHUNK: usize = 1 << 15;
+    let mut out = vec![T::default(); xs.len()];
+    if xs.len() > 2 * CHUNK {
+        use rayon::prelude::*;
+        out.par_chunks_mut(CHUNK)
+            .zip(xs.par_chunks(CHUNK))
+            .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x)));
+    } else {
+        out.iter_mut().zip(xs).for_each(|(o, x)| *o = f(*x));
+    }
+    burn_backend::TensorData::new(out, shape.to_vec())
 }
 
 /// `linear(x, w, bias)` in a half-precision compute dtype on Flex, without a half-precision
@@ -323,6 +507,81 @@ fn values_f32<H: burn_backend::Element + bytemuck::Pod>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The direct cast rounds f32 to bf16 to nearest, ties to even (as PyTorch does; Flex's
+    /// own cast, through `bf16::from_f64`, rounds some values above a tie down: 9248.003 to
+    /// 9216), gives Flex's values for f16, and widens exactly: specials, ties, subnormals
+    /// and a sweep of bit patterns.
+    #[test]
+    fn cast_is_flex_cast() {
+        use burn_backend::ops::FloatTensorOps;
+        use burn_backend::{FloatDType, TensorData};
+        use burn_flex::Flex;
+        let mut xs = vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-45,
+            65504.0,
+            65520.0,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            3.0e38,
+        ];
+        let mut bits = 0x1234_5677u32;
+        while xs.len() < 200_000 {
+            bits = bits.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            xs.push(f32::from_bits(bits));
+        }
+        let n = xs.len();
+        let device = Default::default();
+        let same = |a: Prim<Flex>, b: Prim<Flex>| {
+            let (a, b) = (Flex::float_into_data(a), Flex::float_into_data(b));
+            let (a, b) = (
+                try_read_sync(a).unwrap().unwrap(),
+                try_read_sync(b).unwrap().unwrap(),
+            );
+            assert_eq!((a.dtype, &a.shape), (b.dtype, &b.shape));
+            let (a, b) = (a.convert::<f64>(), b.convert::<f64>());
+            let (a, b) = (a.as_slice::<f64>().unwrap(), b.as_slice::<f64>().unwrap());
+            let differ: Vec<_> = (0..n)
+                .filter(|&i| a[i].to_bits() != b[i].to_bits() && !(a[i].is_nan() && b[i].is_nan()))
+                .map(|i| (xs[i], a[i], b[i]))
+                .take(5)
+                .collect();
+            assert!(differ.is_empty(), "(x, direct, Flex) differ: {differ:?}");
+        };
+        let x = || Flex::float_from_data(TensorData::new(xs.clone(), vec![n]), &device);
+        // bf16: round to nearest, ties to even, on the f32's bits (PyTorch's rounding).
+        let rne: Vec<half::bf16> = xs
+            .iter()
+            .map(|x| {
+                let b = x.to_bits();
+                half::bf16::from_bits(match x.is_nan() {
+                    true => 0x7fc0,
+                    false => ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16,
+                })
+            })
+            .collect();
+        let want = Flex::float_from_data(TensorData::new(rne, vec![n]), &device);
+        same(cast::<Flex>(x(), FloatDType::BF16), want);
+        same(
+            cast::<Flex>(x(), FloatDType::F16),
+            Flex::float_cast(x(), FloatDType::F16),
+        );
+        for half in [FloatDType::BF16, FloatDType::F16] {
+            let narrow = cast::<Flex>(x(), half);
+            let wide = cast::<Flex>(narrow.clone(), FloatDType::F32);
+            same(wide, Flex::float_cast(narrow, FloatDType::F32));
+        }
+    }
 
     fn ulps(got: f32, want: f64) -> f64 {
         let ulp = (want.abs() as f32).max(f32::MIN_POSITIVE);

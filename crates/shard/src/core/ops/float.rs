@@ -448,7 +448,7 @@ impl<B: Backend> FloatTensorOps<Self> for Shard<B> {
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         op_name("float_cast");
-        unary(tensor, move |t| B::float_cast(t, dtype))
+        unary(tensor, move |t| super::fast::cast::<B>(t, dtype))
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         op_name("float_exp");

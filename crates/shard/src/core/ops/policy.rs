@@ -84,7 +84,7 @@ pub(crate) fn binary<B: Backend>(
     // one: f32, as PyTorch promotes under autocast).
     let f = move |a, b| {
         let (a, b) = promote2::<B>(a, b);
-        f(a, b)
+        super::fast::half_broadcast::<B>(a, b, &f)
     };
     // A deferred operand may compute the op without being formed (a tensor-parallel part):
     // the first asked first, then the second.
