@@ -634,14 +634,26 @@ where
             .collect();
         for run in buckets(&sizes, m.config.bucket_bytes) {
             let bucket = &taken[run];
+            // A tensor-parallel part is reduced as the tensor (over the data-parallel group)
+            // and split again, as the gradient-sync hook does: never formed whole.
+            let parts: Vec<_> = bucket.iter().map(|(_, _, g)| g.part()).collect();
             let grads = bucket
                 .iter()
-                .map(|(_, _, g)| (g.clone(), burn_backend::TensorMetadata::shape(g)))
+                .zip(&parts)
+                .map(|((_, _, g), part)| {
+                    let g = part.as_ref().map_or_else(|| g.clone(), |p| p.local.clone());
+                    let shape = burn_backend::TensorMetadata::shape(&g);
+                    (g, shape)
+                })
                 .collect();
             let results = reduce(m.reduction(), grads);
             let mut d = m.lock();
-            for ((pid, mark, _), g) in bucket.iter().zip(results) {
+            for (((pid, mark, _), part), g) in bucket.iter().zip(parts).zip(results) {
                 d.synced.insert(*mark);
+                let g = match part {
+                    Some(p) => (p.rewrap)(g),
+                    None => g,
+                };
                 reduced.insert(*pid, g);
             }
         }
