@@ -48,6 +48,15 @@ fn tiny() -> Tiny<B> {
     tiny_with(0.0)
 }
 
+/// Held by each test for its whole run: the tests seed and draw from Flex's one process-wide
+/// generator (weights, data, dropout masks), so two at once would draw each other's numbers
+/// (`cargo test` runs a file's tests on parallel threads).
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static RNG: Mutex<()> = Mutex::new(());
+    RNG.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn tiny_with(dropout: f64) -> Tiny<B> {
     let device = Default::default();
     B::seed(&device, 7);
@@ -130,6 +139,7 @@ fn train(
 
 #[test]
 fn burn_nn_transformer_under_a_path_plan_equals_one_device() {
+    let _rng = serial();
     let initial = tiny();
     let reference = train(initial.clone(), None, batch());
     for tp in [2, 4] {
@@ -184,6 +194,7 @@ fn burn_nn_transformer_under_a_path_plan_equals_one_device() {
 /// one device's, so the run equals one device's with the same generator.
 #[test]
 fn dropout_masks_agree_across_a_tp_group() {
+    let _rng = serial();
     let initial = tiny_with(0.2);
     let reference = train(initial.clone(), None, batch());
     let initial = Mutex::new(initial);
@@ -210,6 +221,7 @@ fn dropout_masks_agree_across_a_tp_group() {
 
 #[test]
 fn plans_name_what_is_wrong() {
+    let _rng = serial();
     let model = tiny();
     let g: Arc<dyn ProcessGroup> = Arc::new(LocalGroup::new_world(1, Default::default()).remove(0));
     let nothing = TpPlan::from_pairs(&[("c_attn", TpStyle::Rowwise)]);
