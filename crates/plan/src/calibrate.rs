@@ -21,8 +21,6 @@ pub struct Calibration {
     pub matmul_half: f64,
     /// Bytes/s of a large elementwise op (read two, write one).
     pub mem_bw: f64,
-    /// Bytes/s of an elementwise op below Flex's parallel threshold (on one thread).
-    pub mem_bw_serial: f64,
     /// The same in bf16.
     pub mem_bw_half: f64,
     /// Seconds per small op through `Autodiff<Shard<Flex>>` (dispatch, autodiff's graph).
@@ -69,14 +67,12 @@ pub fn measure(ranks: usize) -> Calibration {
     c.matmul_f32 /= oversubscribed;
     c.matmul_half /= oversubscribed;
     c.mem_bw /= oversubscribed;
-    c.mem_bw_serial /= oversubscribed;
     c.mem_bw_half /= oversubscribed;
     c.op_overhead *= oversubscribed;
     // The ranks stream memory at once: each gets at most its share of the machine's.
     if ranks > 1 {
         let all = measure(1).mem_bw;
         c.mem_bw = c.mem_bw.min(all / ranks as f64);
-        c.mem_bw_serial = c.mem_bw_serial.min(all / ranks as f64);
         let all_half = measure(1).mem_bw_half;
         c.mem_bw_half = c.mem_bw_half.min(all_half / ranks as f64);
     }
@@ -102,15 +98,6 @@ fn run() -> Calibration {
         drop(z);
     });
     let mem_bw = 3.0 * (len * 4) as f64 / t;
-    // Below the threshold: half the elements, on one thread.
-    let serial = crate::shapes::FLEX_PARALLEL / 2;
-    let xs = Tensor::<B, 1>::random([serial], Distribution::Default, &device);
-    let ys = Tensor::<B, 1>::random([serial], Distribution::Default, &device);
-    let t = best(8, || {
-        let z = xs.clone() + ys.clone();
-        drop(z);
-    });
-    let mem_bw_serial = 3.0 * (serial * 4) as f64 / t;
     let x16 = x.clone().cast(burn::tensor::DType::BF16);
     let y16 = y.clone().cast(burn::tensor::DType::BF16);
     let t = best(8, || {
@@ -190,7 +177,6 @@ fn run() -> Calibration {
         matmul_half,
         depth_efficiency,
         mem_bw,
-        mem_bw_serial,
         mem_bw_half,
         op_overhead,
         message_latency,

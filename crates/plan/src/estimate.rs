@@ -122,8 +122,7 @@ pub fn compute_time(w: &Work, p: &Profile) -> f64 {
         false => 1.0,
     };
     (w.flops_f32 / (p.peak_f32 * e) + w.flops_half / (p.peak_half * e)) / depth
-        + (w.bytes - w.bytes_serial + w.contraction_bytes) / (p.mem_bw * e)
-        + w.bytes_serial / (p.mem_bw_serial * e)
+        + (w.bytes + w.contraction_bytes) / (p.mem_bw * e)
         + w.bytes_half / (p.mem_bw_half * e)
         + w.ops as f64 * p.op_overhead
 }

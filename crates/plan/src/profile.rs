@@ -28,10 +28,6 @@ pub struct Profile {
     pub depth_efficiency: [f64; 4],
     /// Device memory bandwidth, bytes/s.
     pub mem_bw: f64,
-    /// The rate of an elementwise op too small to be split over threads, bytes/s (on the CPU,
-    /// Flex's below [`crate::shapes::FLEX_PARALLEL`] elements: one thread's; the bandwidth on
-    /// GPUs).
-    pub mem_bw_serial: f64,
     /// The rate of elementwise ops on 16-bit data, bytes/s (the bandwidth on GPUs; on CPUs
     /// Flex converts each element, much slower).
     pub mem_bw_half: f64,
@@ -90,7 +86,6 @@ fn gpu(
         depth_efficiency: [1.0; 4],
         mem_bw: mem_tbs * T,
         mem_bw_half: mem_tbs * T,
-        mem_bw_serial: mem_tbs * T,
         intra_bw: intra_gbs * GB,
         intra_lat: 10e-6,
         inter_bw: inter_gbs * GB,
@@ -206,15 +201,14 @@ pub fn calibrate_cpu(ranks: usize) -> Profile {
         name: "cpu".into(),
         description: format!(
             "this machine: {} cores, {:.1} GiB (calibrated per rank of {}: f32 matmul {:.1} \
-             GFLOP/s, bf16 {:.1} GFLOP/s, memory {:.1} GB/s ({:.1} on one thread), bf16 \
-             elementwise {:.1} GB/s, {:.1} us per op)",
+             GFLOP/s, bf16 {:.1} GFLOP/s, memory {:.1} GB/s, bf16 elementwise {:.1} GB/s, {:.1} \
+             us per op)",
             c.cores,
             memory / GIB,
             ranks.max(1),
             c.matmul_f32 / 1e9,
             c.matmul_half / 1e9,
             c.mem_bw / 1e9,
-            c.mem_bw_serial / 1e9,
             c.mem_bw_half / 1e9,
             c.op_overhead * 1e6
         ),
@@ -226,7 +220,6 @@ pub fn calibrate_cpu(ranks: usize) -> Profile {
         depth_efficiency: c.depth_efficiency,
         mem_bw: c.mem_bw,
         mem_bw_half: c.mem_bw_half,
-        mem_bw_serial: c.mem_bw_serial,
         intra_bw: c.mem_bw / 2.0,
         intra_lat: c.message_latency,
         inter_bw: 1.25 * GB,

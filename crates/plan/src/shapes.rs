@@ -92,10 +92,6 @@ impl RunnerChannel for ShapesChannel {
     }
 }
 
-/// Elements from which Flex 0.21 splits an elementwise op over its threads
-/// (`burn-flex/src/simd/portable.rs`, `PARALLEL_THRESHOLD`); smaller ops run on one.
-pub const FLEX_PARALLEL: usize = 4 * 1024 * 1024;
-
 /// The work of ops, summed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct Work {
@@ -112,9 +108,6 @@ pub struct Work {
     /// Bytes the ops other than contractions read and wrote, in f32 or wider (views move
     /// none).
     pub bytes: f64,
-    /// Of `bytes`, those of ops whose output has fewer elements than [`FLEX_PARALLEL`]: on the
-    /// CPU they run on one thread.
-    pub bytes_serial: f64,
     /// Bytes the ops other than contractions read and wrote, of ops writing a 16-bit dtype.
     pub bytes_half: f64,
     /// Bytes the contractions read and wrote (their operands and results).
@@ -136,7 +129,6 @@ impl Work {
         self.bytes += o.bytes;
         self.contraction_bytes += o.contraction_bytes;
         self.bytes_half += o.bytes_half;
-        self.bytes_serial += o.bytes_serial;
         self.ops += o.ops;
         self.contractions += o.contractions;
     }
@@ -151,7 +143,6 @@ impl Work {
         self.bytes -= o.bytes;
         self.contraction_bytes -= o.contraction_bytes;
         self.bytes_half -= o.bytes_half;
-        self.bytes_serial -= o.bytes_serial;
         self.ops -= o.ops;
         self.contractions -= o.contractions;
     }
@@ -439,9 +430,6 @@ impl RunnerClient for ShapesClient {
                 {
                     true => work.bytes_half = moved(),
                     false => work.bytes = moved(),
-                }
-                if work.elementwise < FLEX_PARALLEL as f64 {
-                    work.bytes_serial = work.bytes;
                 }
             }
         }
