@@ -508,6 +508,72 @@ fn values_f32<H: burn_backend::Element + bytemuck::Pod>(
 mod tests {
     use super::*;
 
+    /// The half-precision paths give Flex's own half-precision values: a broadcasting binary
+    /// op bit for bit (in one piece, and in pieces joined along the first dimension), `exp`
+    /// and `sigmoid` within one step of the half type (kiln's f32 kernels against libm's).
+    #[test]
+    fn half_paths_give_flex_values() {
+        use burn_backend::ops::{ActivationOps, FloatTensorOps};
+        use burn_backend::{FloatDType, TensorData};
+        use burn_flex::Flex;
+        let device = Default::default();
+        let values = |t: Prim<Flex>| {
+            let d = try_read_sync(Flex::float_into_data(t)).unwrap().unwrap();
+            (d.shape.clone(), d.convert::<f64>().to_vec::<f64>().unwrap())
+        };
+        let tensor = |n: usize, shape: Vec<usize>, scale: f32, dtype: FloatDType| {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * scale)
+                .collect();
+            Flex::float_cast(
+                Flex::float_from_data(TensorData::new(v, shape), &device),
+                dtype,
+            )
+        };
+        let sub = |x, y| Flex::float_sub(x, y);
+        for dtype in [FloatDType::BF16, FloatDType::F16] {
+            for (a, b) in [
+                (vec![4, 3, 5], vec![4, 1, 5]),
+                (vec![4, 3, 5], vec![1, 3, 1]),
+                (vec![1, 3, 5], vec![4, 3, 1]),
+                // Pieces: 3 rows of 2^19 values, two rows a piece.
+                (vec![3, 1 << 19], vec![3, 1]),
+            ] {
+                let (na, nb) = (a.iter().product(), b.iter().product());
+                let x = tensor(na, a.clone(), 0.037, dtype);
+                let y = tensor(nb, b.clone(), 0.061, dtype);
+                let got = values(half_broadcast::<Flex>(x.clone(), y.clone(), &sub));
+                assert_eq!(
+                    got,
+                    values(Flex::float_sub(x, y)),
+                    "{dtype:?} {a:?} - {b:?}"
+                );
+            }
+            let x = tensor(5000, vec![50, 100], 0.05, dtype);
+            let step = match dtype {
+                FloatDType::BF16 => 2f64.powi(-7),
+                _ => 2f64.powi(-10),
+            };
+            for (name, got, want) in [
+                ("exp", exp::<Flex>(x.clone()), Flex::float_exp(x.clone())),
+                (
+                    "sigmoid",
+                    sigmoid::<Flex>(x.clone()),
+                    Flex::sigmoid(x.clone()),
+                ),
+            ] {
+                let ((gs, got), (ws, want)) = (values(got), values(want));
+                assert_eq!(gs, ws);
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        (g - w).abs() <= step * w.abs(),
+                        "{name} {dtype:?}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The direct cast rounds f32 to bf16 to nearest, ties to even (as PyTorch does; Flex's
     /// own cast, through `bf16::from_f64`, rounds some values above a tie down: 9248.003 to
     /// 9216), gives Flex's values for f16, and widens exactly: specials, ties, subnormals
