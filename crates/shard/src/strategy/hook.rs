@@ -10,7 +10,9 @@
 //!
 //! Inside [`no_sync`](crate::no_sync) the hook leaves gradients whole and unreduced.
 
-use super::reduce::{InFlight, PendingGrad, Prepared, communicate, complete, finish, prepare};
+use super::reduce::{
+    InFlight, PendingGrad, Prepared, communicate, complete, finish, prepare, restored, to_reduce,
+};
 use super::state::{AnyModel, ModelState, model_of};
 use crate::core::backend::Shard;
 use crate::core::dtype::widen;
@@ -84,14 +86,10 @@ impl<B: Backend> DistributedBackend for Shard<B> {
         );
         d.bucket_bytes += grad.local_bytes();
         d.synced.insert(id);
-        // A tensor-parallel part is reduced as the tensor (over the data-parallel group).
-        let (shape, rewrap) = match grad.part() {
-            Some(part) => (part.local.shape(), Some(part.rewrap)),
-            None => (shape, None),
-        };
+        let (reduced, rewrap) = to_reduce(grad);
         d.bucket.push(PendingGrad {
             ptr: tensor.0,
-            shape,
+            shape: reduced.shape(),
             rewrap,
         });
         if m.config.strategy.reduces_during_backward() && d.bucket_bytes >= m.config.bucket_bytes {
@@ -129,11 +127,7 @@ fn flush<B: Backend>(m: &ModelState<B>, bucket: Vec<PendingGrad<B>>) {
     let grads = bucket
         .iter()
         .map(|p| {
-            let g = unsafe { (*p.ptr).clone() };
-            let g = match p.rewrap {
-                Some(_) => g.part().expect("a part").local,
-                None => g,
-            };
+            let (g, _) = to_reduce(unsafe { &*p.ptr });
             (g, p.shape.clone())
         })
         .collect();
@@ -168,12 +162,7 @@ fn land<B: Backend>(m: &ModelState<B>) {
 
 fn put_back<B: Backend>(bucket: &[PendingGrad<B>], reduced: Vec<ShardTensor<B>>) {
     for (p, reduced) in bucket.iter().zip(reduced) {
-        // A tensor-parallel part reduced (whole, or this rank's shard of it) is the part.
-        let reduced = match &p.rewrap {
-            None => reduced,
-            Some(rewrap) => rewrap(reduced),
-        };
         // SAFETY: as in `flush`.
-        unsafe { *p.ptr = reduced };
+        unsafe { *p.ptr = restored(reduced, p.rewrap.as_ref()) };
     }
 }

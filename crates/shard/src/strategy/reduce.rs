@@ -36,6 +36,28 @@ pub(crate) struct Reduction<'a> {
     pub across: Option<&'a Arc<dyn ProcessGroup>>,
 }
 
+/// What of a gradient is reduced: under tensor parallelism its part, reduced as the tensor
+/// over the data-parallel group (never formed whole), with what makes the gradient of the
+/// reduced part ([`restored`]); else the gradient itself. The gradient-sync hook and the
+/// reduction after backward both go through here.
+pub(crate) fn to_reduce<B: Backend>(g: &ShardTensor<B>) -> (ShardTensor<B>, Option<Restore<B>>) {
+    match g.part() {
+        Some(part) => (part.local, Some(part.rewrap)),
+        None => (g.clone(), None),
+    }
+}
+
+/// The gradient a reduced tensor is: the split tensor again when [`to_reduce`] reduced a part.
+pub(crate) fn restored<B: Backend>(
+    reduced: ShardTensor<B>,
+    rewrap: Option<&Restore<B>>,
+) -> ShardTensor<B> {
+    match rewrap {
+        Some(rewrap) => rewrap(reduced),
+        None => reduced,
+    }
+}
+
 /// A gradient handed over by the hook, waiting in the bucket.
 pub(crate) struct PendingGrad<B: Backend> {
     /// Points into burn-autodiff's gradient container, whose boxed entries stay put (and are

@@ -5,7 +5,7 @@ use super::buffers::Where;
 use super::config::{BufferPolicy, InitSync, ShardConfig, Strategy, buckets};
 use super::params::{Path, mark_of, replace_primitive};
 use super::prefetch::{Prefetcher, track};
-use super::reduce::reduce;
+use super::reduce::{reduce, restored, to_reduce};
 use super::state::{
     Dynamic, ModelState, id_in_model, model_of, next_seq, unregister, with_sharded_creation,
 };
@@ -634,27 +634,19 @@ where
             .collect();
         for run in buckets(&sizes, m.config.bucket_bytes) {
             let bucket = &taken[run];
-            // A tensor-parallel part is reduced as the tensor (over the data-parallel group)
-            // and split again, as the gradient-sync hook does: never formed whole.
-            let parts: Vec<_> = bucket.iter().map(|(_, _, g)| g.part()).collect();
-            let grads = bucket
+            let (grads, rewraps): (Vec<_>, Vec<_>) = bucket
                 .iter()
-                .zip(&parts)
-                .map(|((_, _, g), part)| {
-                    let g = part.as_ref().map_or_else(|| g.clone(), |p| p.local.clone());
+                .map(|(_, _, g)| {
+                    let (g, rewrap) = to_reduce(g);
                     let shape = burn_backend::TensorMetadata::shape(&g);
-                    (g, shape)
+                    ((g, shape), rewrap)
                 })
-                .collect();
+                .unzip();
             let results = reduce(m.reduction(), grads);
             let mut d = m.lock();
-            for (((pid, mark, _), part), g) in bucket.iter().zip(parts).zip(results) {
+            for (((pid, mark, _), rewrap), g) in bucket.iter().zip(rewraps).zip(results) {
                 d.synced.insert(*mark);
-                let g = match part {
-                    Some(p) => (p.rewrap)(g),
-                    None => g,
-                };
-                reduced.insert(*pid, g);
+                reduced.insert(*pid, restored(g, rewrap.as_ref()));
             }
         }
     }

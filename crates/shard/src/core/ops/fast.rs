@@ -53,49 +53,45 @@ const PIECE: usize = 1 << 20;
 /// Hands the tensor back unless it is a half-precision Flex tensor.
 fn half_map<B: Backend>(t: Prim<B>, f: fn(&mut [f32])) -> Result<Prim<B>, Prim<B>> {
     use half::{bf16, f16};
-    fn run<H: Copy + Send + Sync + burn_backend::Element + bytemuck::Pod + Default>(
+    fn run<H: Copy + Sync + burn_backend::Element + Default>(
         xs: &[H],
-        shape: Vec<usize>,
-        to_f32: impl Fn(H) -> f32 + Sync,
-        from_f32: impl Fn(f32) -> H + Sync,
+        shape: &[usize],
+        to_f32: fn(H) -> f32,
+        from_f32: fn(f32) -> H,
         f: fn(&mut [f32]),
     ) -> burn_backend::TensorData {
-        use rayon::prelude::*;
-        let mut out = vec![H::default(); xs.len()];
-        out.par_chunks_mut(PIECE / 16)
-            .zip(xs.par_chunks(PIECE / 16))
-            .for_each(|(o, x)| {
-                let mut wide: Vec<f32> = x.iter().map(|v| to_f32(*v)).collect();
-                f(&mut wide);
-                o.iter_mut().zip(&wide).for_each(|(o, w)| *o = from_f32(*w));
-            });
-        burn_backend::TensorData::new(out, shape)
+        data(xs, shape, |x, o| {
+            let mut wide: Vec<f32> = x.iter().map(|v| to_f32(*v)).collect();
+            f(&mut wide);
+            o.iter_mut().zip(&wide).for_each(|(o, w)| *o = from_f32(*w));
+        })
     }
     let Some(x) = flex::<B>(&t) else {
         return Err(t);
     };
-    let contiguous;
-    let x = match x.layout().contiguous_offsets() {
-        Some(_) => x,
-        None => {
-            contiguous = x.to_contiguous();
-            &contiguous
-        }
-    };
-    let shape = x.layout().shape().to_vec();
+    let x = contiguous(x);
+    let shape = x.layout().shape();
     let data = match x.dtype() {
         DType::BF16 => x
             .as_slice::<bf16>()
-            .map(|xs| run(xs, shape, |v| v.to_f32(), bf16::from_f32, f)),
+            .map(|xs| run(xs, shape, bf16::to_f32, bf16::from_f32, f)),
         DType::F16 => x
             .as_slice::<f16>()
-            .map(|xs| run(xs, shape, |v| v.to_f32(), f16::from_f32, f)),
+            .map(|xs| run(xs, shape, f16::to_f32, f16::from_f32, f)),
         _ => None,
     };
     let Some(data) = data else {
         return Err(t);
     };
     Ok(B::float_from_data(data, &B::float_device(&t)))
+}
+
+/// The tensor itself when its values are contiguous, else a contiguous copy.
+fn contiguous(t: &burn_flex::FlexTensor) -> std::borrow::Cow<'_, burn_flex::FlexTensor> {
+    match t.layout().contiguous_offsets() {
+        Some(_) => std::borrow::Cow::Borrowed(t),
+        None => std::borrow::Cow::Owned(t.to_contiguous()),
+    }
 }
 
 /// A binary op of two bf16 (or two f16) Flex tensors of different shapes (one broadcasts):
@@ -112,15 +108,16 @@ pub(crate) fn half_broadcast<B: Backend>(
 ) -> Prim<B> {
     use burn_backend::FloatDType;
     let dtype = a.dtype();
+    // The cheap checks first: an f32 op or another backend's pays no shape.
+    if flex::<B>(&a).is_none() || !matches!(dtype, DType::BF16 | DType::F16) || b.dtype() != dtype {
+        return f(a, b);
+    }
     let (sa, sb) = (a.shape(), b.shape());
-    let fits = flex::<B>(&a).is_some()
-        && matches!(dtype, DType::BF16 | DType::F16)
-        && b.dtype() == dtype
-        && sa != sb
+    let broadcasts = sa != sb
         && sa.num_dims() == sb.num_dims()
         && sa.num_dims() > 0
         && (0..sa.num_dims()).all(|d| sa[d] == sb[d] || sa[d] == 1 || sb[d] == 1);
-    if !fits {
+    if !broadcasts {
         return f(a, b);
     }
     let rows = sa[0].max(sb[0]);
@@ -272,32 +269,27 @@ fn exp_wide(x: f32) -> f64 {
 pub(crate) fn cast<B: Backend>(t: Prim<B>, dtype: burn_backend::FloatDType) -> Prim<B> {
     use half::{bf16, f16};
     let to = DType::from(dtype);
-    if TypeId::of::<B>() != TypeId::of::<burn_flex::Flex>() || t.dtype() == to {
-        return B::float_cast(t, dtype);
+    fn each<S: Copy, T>(f: fn(S) -> T) -> impl Fn(&[S], &mut [T]) + Sync {
+        move |x, o| o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x))
     }
-    let Some(flex) = (&t as &dyn std::any::Any).downcast_ref::<burn_flex::FlexTensor>() else {
-        return B::float_cast(t, dtype);
+    let flex = match flex::<B>(&t) {
+        Some(flex) if t.dtype() != to => contiguous(flex),
+        _ => return B::float_cast(t, dtype),
     };
-    let contiguous;
-    let flex = match flex.layout().contiguous_offsets() {
-        Some(_) => flex,
-        None => {
-            contiguous = flex.to_contiguous();
-            &contiguous
-        }
-    };
-    let shape = flex.layout().shape().to_vec();
+    let shape = flex.layout().shape();
     let data = match (flex.dtype(), to) {
         (DType::F32, DType::BF16) => flex
             .as_slice::<f32>()
-            .map(|v| data(v, bf16::from_f32, &shape)),
+            .map(|v| data(v, shape, each(bf16::from_f32))),
         (DType::F32, DType::F16) => flex
             .as_slice::<f32>()
-            .map(|v| data(v, f16::from_f32, &shape)),
+            .map(|v| data(v, shape, each(f16::from_f32))),
         (DType::BF16, DType::F32) => flex
             .as_slice::<bf16>()
-            .map(|v| data(v, bf16::to_f32, &shape)),
-        (DType::F16, DType::F32) => flex.as_slice::<f16>().map(|v| data(v, f16::to_f32, &shape)),
+            .map(|v| data(v, shape, each(bf16::to_f32))),
+        (DType::F16, DType::F32) => flex
+            .as_slice::<f16>()
+            .map(|v| data(v, shape, each(f16::to_f32))),
         _ => None,
     };
     match data {
@@ -307,11 +299,12 @@ pub(crate) fn cast<B: Backend>(t: Prim<B>, dtype: burn_backend::FloatDType) -> P
     }
 }
 
-/// `xs` each converted by `f`, as a tensor of `shape`.
+/// A tensor of `shape` whose values `convert` writes from `xs`, a chunk at a time (on Rayon's
+/// threads for large tensors).
 fn data<S: Copy + Sync, T: burn_backend::Element + Default + Send>(
     xs: &[S],
-    f: impl Fn(S) -> T + Sync,
     shape: &[usize],
+    convert: impl Fn(&[S], &mut [T]) + Sync,
 ) -> burn_backend::TensorData {
     const CHUNK: usize = 1 << 15;
     let mut out = vec![T::default(); xs.len()];
@@ -319,9 +312,9 @@ fn data<S: Copy + Sync, T: burn_backend::Element + Default + Send>(
         use rayon::prelude::*;
         out.par_chunks_mut(CHUNK)
             .zip(xs.par_chunks(CHUNK))
-            .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x)));
+            .for_each(|(o, x)| convert(x, o));
     } else {
-        out.iter_mut().zip(xs).for_each(|(o, x)| *o = f(*x));
+        convert(xs, &mut out);
     }
     burn_backend::TensorData::new(out, shape.to_vec())
 }
@@ -346,9 +339,6 @@ pub(crate) fn linear_half<B: Backend>(
     bias: Option<Prim<B>>,
     dtype: DType,
 ) -> Result<Prim<B>, (Prim<B>, Prim<B>, Option<Prim<B>>)> {
-    fn flex<T: 'static>(t: &T) -> Option<&burn_flex::FlexTensor> {
-        (t as &dyn std::any::Any).downcast_ref()
-    }
     let operand = |t: &Prim<B>| [DType::F32, dtype].contains(&t.dtype());
     let w_shape = w.shape();
     let k = if w_shape.num_dims() == 2 {
@@ -356,19 +346,20 @@ pub(crate) fn linear_half<B: Backend>(
     } else {
         0
     };
-    let fits = TypeId::of::<B>() == TypeId::of::<burn_flex::Flex>()
-        && matches!(dtype, DType::BF16 | DType::F16)
+    let fits = matches!(dtype, DType::BF16 | DType::F16)
         && w.dtype() == DType::F32
         && w_shape.num_dims() == 2
         && x.shape().num_dims() > 0
         && x.shape()[x.shape().num_dims() - 1] == k
         && operand(&x)
         && bias.as_ref().is_none_or(operand);
-    let weight = flex(&w).filter(|_| fits).and_then(|w| w.as_slice::<f32>());
-    let (Some(weight), Some(xf)) = (weight, flex(&x)) else {
+    let weight = flex::<B>(&w)
+        .filter(|_| fits)
+        .and_then(|w| w.as_slice::<f32>());
+    let (Some(weight), Some(xf)) = (weight, flex::<B>(&x)) else {
         return Err((x, w, bias));
     };
-    let bias = bias.as_ref().and_then(flex);
+    let bias = bias.as_ref().and_then(flex::<B>);
     let data = match dtype {
         DType::BF16 => half_linear(
             xf,
@@ -485,14 +476,7 @@ fn values_f32<H: burn_backend::Element + bytemuck::Pod>(
     round: impl Fn(f32) -> f32,
     to_f32: fn(H) -> f32,
 ) -> Vec<f32> {
-    let contiguous;
-    let t = match t.layout().contiguous_offsets() {
-        Some(_) => t,
-        None => {
-            contiguous = t.to_contiguous();
-            &contiguous
-        }
-    };
+    let t = contiguous(t);
     match t.as_slice::<f32>() {
         Some(v) => v.iter().map(|v| round(*v)).collect(),
         None => t
