@@ -44,6 +44,36 @@ fn flex<B: Backend>(t: &Prim<B>) -> Option<&burn_flex::FlexTensor> {
     (t as &dyn std::any::Any).downcast_ref()
 }
 
+/// bf16 and f16, as the half-precision paths convert them: generic code, so that the
+/// conversions inline and vectorise (through a function pointer, one call per value, they
+/// were a fifth of a bf16 step's time).
+trait Half: burn_backend::Element + bytemuck::Pod + Default + Send + Sync {
+    fn from_f32(v: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl Half for half::bf16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+impl Half for half::f16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
 /// Values per piece a half-precision op widens at a time: the f32 buffers stay small (4 MiB).
 const PIECE: usize = 1 << 20;
 
@@ -53,17 +83,13 @@ const PIECE: usize = 1 << 20;
 /// Hands the tensor back unless it is a half-precision Flex tensor.
 fn half_map<B: Backend>(t: Prim<B>, f: fn(&mut [f32])) -> Result<Prim<B>, Prim<B>> {
     use half::{bf16, f16};
-    fn run<H: Copy + Sync + burn_backend::Element + Default>(
-        xs: &[H],
-        shape: &[usize],
-        to_f32: fn(H) -> f32,
-        from_f32: fn(f32) -> H,
-        f: fn(&mut [f32]),
-    ) -> burn_backend::TensorData {
+    fn run<H: Half>(xs: &[H], shape: &[usize], f: fn(&mut [f32])) -> burn_backend::TensorData {
         data(xs, shape, |x, o| {
-            let mut wide: Vec<f32> = x.iter().map(|v| to_f32(*v)).collect();
+            let mut wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
             f(&mut wide);
-            o.iter_mut().zip(&wide).for_each(|(o, w)| *o = from_f32(*w));
+            o.iter_mut()
+                .zip(&wide)
+                .for_each(|(o, w)| *o = H::from_f32(*w));
         })
     }
     let Some(x) = flex::<B>(&t) else {
@@ -72,12 +98,8 @@ fn half_map<B: Backend>(t: Prim<B>, f: fn(&mut [f32])) -> Result<Prim<B>, Prim<B
     let x = contiguous(x);
     let shape = x.layout().shape();
     let data = match x.dtype() {
-        DType::BF16 => x
-            .as_slice::<bf16>()
-            .map(|xs| run(xs, shape, bf16::to_f32, bf16::from_f32, f)),
-        DType::F16 => x
-            .as_slice::<f16>()
-            .map(|xs| run(xs, shape, f16::to_f32, f16::from_f32, f)),
+        DType::BF16 => x.as_slice::<bf16>().map(|xs| run(xs, shape, f)),
+        DType::F16 => x.as_slice::<f16>().map(|xs| run(xs, shape, f)),
         _ => None,
     };
     let Some(data) = data else {
@@ -269,8 +291,11 @@ fn exp_wide(x: f32) -> f64 {
 pub(crate) fn cast<B: Backend>(t: Prim<B>, dtype: burn_backend::FloatDType) -> Prim<B> {
     use half::{bf16, f16};
     let to = DType::from(dtype);
-    fn each<S: Copy, T>(f: fn(S) -> T) -> impl Fn(&[S], &mut [T]) + Sync {
-        move |x, o| o.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x))
+    fn narrow<H: Half>(x: &[f32], o: &mut [H]) {
+        o.iter_mut().zip(x).for_each(|(o, x)| *o = H::from_f32(*x));
+    }
+    fn widen<H: Half>(x: &[H], o: &mut [f32]) {
+        o.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
     }
     let flex = match flex::<B>(&t) {
         Some(flex) if t.dtype() != to => contiguous(flex),
@@ -280,16 +305,14 @@ pub(crate) fn cast<B: Backend>(t: Prim<B>, dtype: burn_backend::FloatDType) -> P
     let data = match (flex.dtype(), to) {
         (DType::F32, DType::BF16) => flex
             .as_slice::<f32>()
-            .map(|v| data(v, shape, each(bf16::from_f32))),
+            .map(|v| data(v, shape, narrow::<bf16>)),
         (DType::F32, DType::F16) => flex
             .as_slice::<f32>()
-            .map(|v| data(v, shape, each(f16::from_f32))),
+            .map(|v| data(v, shape, narrow::<f16>)),
         (DType::BF16, DType::F32) => flex
             .as_slice::<bf16>()
-            .map(|v| data(v, shape, each(bf16::to_f32))),
-        (DType::F16, DType::F32) => flex
-            .as_slice::<f16>()
-            .map(|v| data(v, shape, each(f16::to_f32))),
+            .map(|v| data(v, shape, widen::<bf16>)),
+        (DType::F16, DType::F32) => flex.as_slice::<f16>().map(|v| data(v, shape, widen::<f16>)),
         _ => None,
     };
     match data {
@@ -361,35 +384,25 @@ pub(crate) fn linear_half<B: Backend>(
     };
     let bias = bias.as_ref().and_then(flex::<B>);
     let data = match dtype {
-        DType::BF16 => half_linear(
-            xf,
-            weight,
-            bias,
-            k,
-            half::bf16::from_f32,
-            half::bf16::to_f32,
-        ),
-        _ => half_linear(xf, weight, bias, k, half::f16::from_f32, half::f16::to_f32),
+        DType::BF16 => half_linear::<half::bf16>(xf, weight, bias, k),
+        _ => half_linear::<half::f16>(xf, weight, bias, k),
     };
     Ok(B::float_from_data(data, &B::float_device(&x)))
 }
 
 /// [`linear_half`] in the half type `H`: the input and bias rounded to `H` (exact if already
 /// in it) as f32, the product by [`panels`].
-fn half_linear<H: burn_backend::Element + bytemuck::Pod + Default>(
+fn half_linear<H: Half>(
     x: &burn_flex::FlexTensor,
     weight: &[f32],
     bias: Option<&burn_flex::FlexTensor>,
     k: usize,
-    to_half: fn(f32) -> H,
-    to_f32: fn(H) -> f32,
 ) -> burn_backend::TensorData {
-    let round = |v: f32| to_f32(to_half(v));
     let n = weight.len() / k.max(1);
-    let xs = values_f32(x, round, to_f32);
-    let bias = bias.map(|b| values_f32(b, round, to_f32));
+    let xs = values_f32::<H>(x);
+    let bias = bias.map(values_f32::<H>);
     let m = xs.len() / k.max(1);
-    let out = panels(&xs, weight, bias.as_deref(), [m, k, n], round, to_half);
+    let out = panels::<H>(&xs, weight, bias.as_deref(), [m, k, n]);
     let mut shape = x.layout().shape().to_vec();
     *shape.last_mut().expect("x has dimensions") = n;
     burn_backend::TensorData::new(out, shape)
@@ -399,14 +412,13 @@ fn half_linear<H: burn_backend::Element + bytemuck::Pod + Default>(
 /// 128 output columns at a time: the panel's weight is rounded into an f32 buffer, multiplied
 /// in f32, and its columns of the result rounded once into the output (the only buffers are
 /// a panel's: `k x 128` and `m x 128` f32).
-fn panels<H: Copy + Default>(
+fn panels<H: Half>(
     xs: &[f32],
     weight: &[f32],
     bias: Option<&[f32]>,
     [m, k, n]: [usize; 3],
-    round: impl Fn(f32) -> f32,
-    to_half: fn(f32) -> H,
 ) -> Vec<H> {
+    let round = |v: f32| H::from_f32(v).to_f32();
     const PANEL: usize = 128;
     let width = PANEL.min(n);
     let mut out = vec![H::default(); m * n];
@@ -454,12 +466,12 @@ fn panels<H: Copy + Default>(
             match bias {
                 Some(b) => {
                     for ((d, s), b) in dst.iter_mut().zip(src).zip(&b[c0..c0 + nc]) {
-                        *d = to_half(s + b);
+                        *d = H::from_f32(s + b);
                     }
                 }
                 None => {
                     for (d, s) in dst.iter_mut().zip(src) {
-                        *d = to_half(*s);
+                        *d = H::from_f32(*s);
                     }
                 }
             }
@@ -468,14 +480,11 @@ fn panels<H: Copy + Default>(
     out
 }
 
-/// A Flex tensor's values as f32: an f32 tensor's each passed through `round`, a tensor in
+/// A Flex tensor's values as f32: an f32 tensor's each rounded to `H`, a tensor in
 /// the half type `H` exactly (read in place when contiguous: a saved activation is shared,
 /// and reading it out would copy it).
-fn values_f32<H: burn_backend::Element + bytemuck::Pod>(
-    t: &burn_flex::FlexTensor,
-    round: impl Fn(f32) -> f32,
-    to_f32: fn(H) -> f32,
-) -> Vec<f32> {
+fn values_f32<H: Half>(t: &burn_flex::FlexTensor) -> Vec<f32> {
+    let round = |v: f32| H::from_f32(v).to_f32();
     let t = contiguous(t);
     match t.as_slice::<f32>() {
         Some(v) => v.iter().map(|v| round(*v)).collect(),
@@ -483,7 +492,7 @@ fn values_f32<H: burn_backend::Element + bytemuck::Pod>(
             .as_slice::<H>()
             .expect("an f32 tensor or one in the compute dtype")
             .iter()
-            .map(|v| to_f32(*v))
+            .map(|v| v.to_f32())
             .collect(),
     }
 }
