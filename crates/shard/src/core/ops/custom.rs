@@ -555,7 +555,7 @@ pub(crate) fn matmul_prims<B: Backend>(policy: Precision, a: Prim<B>, b: Prim<B>
     let inner = |v: Vec<Prim<B>>| {
         let mut v = v.into_iter();
         let a = v.next().expect("input");
-        B::float_matmul(a, v.next().expect("input"))
+        super::fast::matmul::<B>(a, v.next().expect("input"))
     };
     if policy.compute == FloatDType::F32 {
         return inner(promote::<B>(vec![a, b]));
@@ -651,7 +651,7 @@ pub(crate) fn linear_x_backward<B: Backend>(
         let w = w.clone();
         let f: Elementwise<B> = Arc::new(move |dy| {
             let (w, dy) = promote2::<B>(w.clone(), dy);
-            B::linear_x_backward(w, dy)
+            linear_x_prims::<B>(w, dy)
         });
         if let Some(dx) = d.along(last, &f) {
             return dx;
@@ -659,8 +659,25 @@ pub(crate) fn linear_x_backward<B: Backend>(
     }
     record(vec![weight, output_grad], move |t| {
         let mut t = t.into_iter();
-        B::linear_x_backward(t.next().expect("input"), t.next().expect("input"))
+        linear_x_prims::<B>(t.next().expect("input"), t.next().expect("input"))
     })
+}
+
+/// `dy w^T` for a weight `[in, out]`: over every row at once, `[rows, out] [out, in]`, the
+/// weight's transpose read in place (Burn's default broadcasts it over `dy`'s leading
+/// dimensions as a batched product).
+fn linear_x_prims<B: Backend>(w: Prim<B>, dy: Prim<B>) -> Prim<B> {
+    let ys = dy.shape();
+    let n = ys.num_dims();
+    if n < 2 || w.shape().num_dims() != 2 {
+        return B::linear_x_backward(w, dy);
+    }
+    let rows = (0..n - 1).map(|d| ys[d]).product::<usize>();
+    let dy = B::float_reshape(dy, Shape::new([rows, ys[n - 1]]));
+    let dx = super::fast::matmul::<B>(dy, B::float_swap_dims(w, 0, 1));
+    let mut dims: Vec<usize> = (0..n).map(|d| ys[d]).collect();
+    dims[n - 1] = dx.shape()[1];
+    B::float_reshape(dx, Shape::from(dims))
 }
 
 /// `Linear`'s weight gradient: deferred ([`WeightGrad`]) while some layer asks for it, so
@@ -704,7 +721,19 @@ pub(crate) fn weight_grad_prims<B: Backend>(t: Vec<Prim<B>>) -> Prim<B> {
             DType::BF16 | DType::F16 => widen::<B>(t, DType::F32),
             _ => t,
         });
-        B::linear_weight_backward(t.next().expect("input"), t.next().expect("input"))
+        let (x, dy) = (t.next().expect("input"), t.next().expect("input"));
+        // `x^T dy` over every row at once, `[rows, in]^T [rows, out]`, as PyTorch's linear
+        // backward does: Burn's default forms one `[in, out]` product per leading index and
+        // then sums them (a `[batch, in, out]` tensor and a reduction more).
+        let (xs, ys) = (x.shape(), dy.shape());
+        let n = xs.num_dims();
+        if n <= 2 || ys.num_dims() != n || (0..n - 1).any(|d| xs[d] != ys[d]) {
+            return B::linear_weight_backward(x, dy);
+        }
+        let rows = (0..n - 1).map(|d| xs[d]).product::<usize>();
+        let x = B::float_reshape(x, Shape::new([rows, xs[n - 1]]));
+        let dy = B::float_reshape(dy, Shape::new([rows, ys[n - 1]]));
+        B::float_matmul(B::float_swap_dims(x, 0, 1), dy)
     }
 }
 
