@@ -721,19 +721,7 @@ pub(crate) fn weight_grad_prims<B: Backend>(t: Vec<Prim<B>>) -> Prim<B> {
             DType::BF16 | DType::F16 => widen::<B>(t, DType::F32),
             _ => t,
         });
-        let (x, dy) = (t.next().expect("input"), t.next().expect("input"));
-        // `x^T dy` over every row at once, `[rows, in]^T [rows, out]`, as PyTorch's linear
-        // backward does: Burn's default forms one `[in, out]` product per leading index and
-        // then sums them (a `[batch, in, out]` tensor and a reduction more).
-        let (xs, ys) = (x.shape(), dy.shape());
-        let n = xs.num_dims();
-        if n <= 2 || ys.num_dims() != n || (0..n - 1).any(|d| xs[d] != ys[d]) {
-            return B::linear_weight_backward(x, dy);
-        }
-        let rows = (0..n - 1).map(|d| xs[d]).product::<usize>();
-        let x = B::float_reshape(x, Shape::new([rows, xs[n - 1]]));
-        let dy = B::float_reshape(dy, Shape::new([rows, ys[n - 1]]));
-        B::float_matmul(B::float_swap_dims(x, 0, 1), dy)
+        B::linear_weight_backward(t.next().expect("input"), t.next().expect("input"))
     }
 }
 
