@@ -177,14 +177,22 @@ fn on_flex_f32<B: Backend>(t: &Prim<B>) -> bool {
     TypeId::of::<B>() == TypeId::of::<burn_flex::Flex>() && t.dtype() == DType::F32
 }
 
-/// Applies `f` to the tensor's values in place: on Flex, reading a unique contiguous tensor
-/// and writing it back move its buffer without copying (otherwise it is copied once, as
-/// Flex's own kernel would).
+/// Applies `f` to the tensor's values: on Flex, reading a unique contiguous tensor and writing
+/// it back move its buffer without copying; a shared one (an input autodiff saved: `exp` keeps
+/// its input for backward) is copied once into a fresh f32 buffer. (Flex's `into_data` copies a
+/// shared buffer twice, as bytes and again to align them: a transient of twice the tensor's
+/// size, at the loss's `exp` the forward's peak.)
 fn map<B: Backend>(t: Prim<B>, f: fn(&mut [f32])) -> Prim<B> {
     let device = B::float_device(&t);
-    let mut data = try_read_sync(B::float_into_data(t))
-        .expect("Flex reads synchronously")
-        .expect("reading a Flex tensor");
+    let shared = flex::<B>(&t)
+        .filter(|x| !x.is_unique())
+        .and_then(|x| Some((x.as_slice::<f32>()?.to_vec(), x.layout().shape().clone())));
+    let mut data = match shared {
+        Some((values, shape)) => burn_backend::TensorData::new(values, shape),
+        None => try_read_sync(B::float_into_data(t))
+            .expect("Flex reads synchronously")
+            .expect("reading a Flex tensor"),
+    };
     let values = data
         .as_mut_slice::<f32>()
         .expect("an f32 tensor's data is f32");
@@ -783,6 +791,20 @@ mod tests {
             .map(|(&g, &w)| ulps(g, w))
             .fold(0.0, f64::max);
         assert!(w <= 0.51, "sigmoid: worst error {w} ulp");
+    }
+
+    /// `exp` of a tensor another holder shares (autodiff keeps `exp`'s input) gives the values
+    /// of a unique one's, leaves the shared buffer as it was, and shares no buffer with it.
+    #[test]
+    fn exp_of_a_shared_tensor() {
+        let x = tensor(vec![4, 1 << 14], 0.01, FloatDType::F32);
+        let (_, want) = values(exp::<Flex>(x.clone()));
+        let kept = x.clone();
+        let y = exp::<Flex>(x);
+        assert!(y.is_unique() && kept.is_unique(), "a buffer of its own");
+        assert_eq!(values(y).1, want);
+        let (_, before) = values(tensor(vec![4, 1 << 14], 0.01, FloatDType::F32));
+        assert_eq!(values(kept).1, before);
     }
 
     #[test]
