@@ -21,7 +21,8 @@ pub struct Calibration {
     pub matmul_half: f64,
     /// Bytes/s of a large elementwise op (read two, write one).
     pub mem_bw: f64,
-    /// The same in bf16.
+    /// Bytes/s of kiln's bf16 elementwise kernels (an add, a broadcast add, a scalar product
+    /// and a sum over rows: their mean time per byte).
     pub mem_bw_half: f64,
     /// Seconds per small op through `Autodiff<Shard<Flex>>` (dispatch, autodiff's graph).
     pub op_overhead: f64,
@@ -98,13 +99,25 @@ fn run() -> Calibration {
         drop(z);
     });
     let mem_bw = 3.0 * (len * 4) as f64 / t;
-    let x16 = x.clone().cast(burn::tensor::DType::BF16);
-    let y16 = y.clone().cast(burn::tensor::DType::BF16);
-    let t = best(8, || {
-        let z = x16.clone() + y16.clone();
-        drop(z);
-    });
-    let mem_bw_half = 3.0 * (len * 2) as f64 / t;
+    // kiln's bf16 elementwise kernels through the decorator, as a step runs them: Flex's
+    // same-shape bf16 add streams at ~40% of f32's rate, but a broadcast, a scalar op and a
+    // reduction over rows run at 2x to 7x its time per byte (widened and rounded piece by
+    // piece, or Flex's scalar loops); one op of each, their mean time per byte. (With the add
+    // alone the planner priced a bf16 step as an f32 one: 38% under the measured time.)
+    type S = Shard<Flex>;
+    let bf16 = burn::tensor::DType::BF16;
+    let x16 = Tensor::<S, 1>::random([len], Distribution::Default, &device).cast(bf16);
+    let y16 = Tensor::<S, 1>::random([len], Distribution::Default, &device).cast(bf16);
+    let rows = x16.clone().reshape([len / 1024, 1024]);
+    let row = Tensor::<S, 2>::random([1, 1024], Distribution::Default, &device).cast(bf16);
+    let bytes = (len * 2) as f64;
+    let seconds_per_byte = [
+        best(8, || drop(x16.clone() + y16.clone())) / (3.0 * bytes),
+        best(8, || drop(rows.clone() + row.clone())) / (2.0 * bytes),
+        best(8, || drop(x16.clone().mul_scalar(1.5))) / (2.0 * bytes),
+        best(8, || drop(rows.clone().sum_dim(1))) / bytes,
+    ];
+    let mem_bw_half = seconds_per_byte.len() as f64 / seconds_per_byte.iter().sum::<f64>();
     let (m, k, n) = (512, 1024, 1024);
     let a = Tensor::<B, 2>::random([m, k], Distribution::Default, &device);
     let b = Tensor::<B, 2>::random([k, n], Distribution::Default, &device);
@@ -124,7 +137,6 @@ fn run() -> Calibration {
 
     // kiln's 16-bit matmul on this CPU: through the decorator under a bf16 policy (operands
     // narrowed, the product computed and widened as a training step does).
-    type S = Shard<Flex>;
     let a16 = Tensor::<S, 2>::random([m, k], Distribution::Default, &device);
     let b16 = Tensor::<S, 2>::random([k, n], Distribution::Default, &device);
     let t = best(3, || {
