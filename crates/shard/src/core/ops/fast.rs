@@ -179,20 +179,23 @@ fn on_flex_f32<B: Backend>(t: &Prim<B>) -> bool {
 
 /// Applies `f` to the tensor's values: on Flex, reading a unique contiguous tensor and writing
 /// it back move its buffer without copying; a shared one (an input autodiff saved: `exp` keeps
-/// its input for backward) is copied once into a fresh f32 buffer. (Flex's `into_data` copies a
-/// shared buffer twice, as bytes and again to align them: a transient of twice the tensor's
-/// size, at the loss's `exp` the forward's peak.)
+/// its input for backward) is mapped into one fresh f32 buffer ([`data`]). (Flex's `into_data`
+/// copies a shared buffer twice, as bytes and again to align them: a transient of twice the
+/// tensor's size, at the loss's `exp` the forward's peak.)
 fn map<B: Backend>(t: Prim<B>, f: fn(&mut [f32])) -> Prim<B> {
     let device = B::float_device(&t);
-    let shared = flex::<B>(&t)
-        .filter(|x| !x.is_unique())
-        .and_then(|x| Some((x.as_slice::<f32>()?.to_vec(), x.layout().shape().clone())));
-    let mut data = match shared {
-        Some((values, shape)) => burn_backend::TensorData::new(values, shape),
-        None => try_read_sync(B::float_into_data(t))
-            .expect("Flex reads synchronously")
-            .expect("reading a Flex tensor"),
-    };
+    if let Some(x) = flex::<B>(&t).filter(|x| !x.is_unique())
+        && let Some(xs) = x.as_slice::<f32>()
+    {
+        let mapped = data(xs, x.layout().shape(), |x, o: &mut [f32]| {
+            o.copy_from_slice(x);
+            f(o)
+        });
+        return B::float_from_data(mapped, &device);
+    }
+    let mut data = try_read_sync(B::float_into_data(t))
+        .expect("Flex reads synchronously")
+        .expect("reading a Flex tensor");
     let values = data
         .as_mut_slice::<f32>()
         .expect("an f32 tensor's data is f32");
