@@ -7,8 +7,8 @@
 //! - counts the memory the op's outputs would take, as a [`Counted`] for the rank and memory
 //!   kind of the thread that asked (so kiln's per-rank counters fill exactly as in a real step),
 //!   kept while any tensor holds it: views (reshape, permute, swap, expand, slice) share their
-//!   input's memory, and an elementwise op whose input is consumed and of the output's size
-//!   writes in place, as Burn's CPU backend does;
+//!   input's memory, and an elementwise op (or a `slice_assign`) whose input is consumed and of
+//!   the output's size writes in place, as Burn's CPU backend does (kiln's, for `slice_assign`);
 //! - counts the op's work for the rank: floating-point operations (matmul, linear and its
 //!   gradients, convolutions: 2 per multiply-add; everything else one per output element) and
 //!   bytes read and written, by the dtype it computes in.
@@ -294,9 +294,11 @@ fn is_view(op: &OperationIr) -> bool {
     )
 }
 
-/// Whether an op is elementwise (its output may overwrite a consumed input of its size).
+/// Whether an op is elementwise (its output may overwrite a consumed input of its size), or a
+/// float `slice_assign` (kiln writes it in place on Flex, as Burn's GPU backends do).
 fn is_elementwise(op: &OperationIr) -> bool {
     match op {
+        OperationIr::BaseFloat(BaseOperationIr::SliceAssign(_)) => true,
         OperationIr::NumericFloat(_, n) | OperationIr::NumericInt(_, n) => matches!(
             n,
             NumericOperationIr::Add(_)

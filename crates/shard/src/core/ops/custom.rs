@@ -87,8 +87,10 @@ pub(crate) fn float_zeros<B: Backend>(
     device: &Device<B>,
     dtype: FloatDType,
 ) -> FloatTensor<Shard<B>> {
-    created::<B>(&shape, |len, _| B::float_zeros(flat(len), device, dtype))
-        .unwrap_or_else(|| ShardTensor::Local(B::float_zeros(shape, device, dtype)))
+    created::<B>(&shape, |len, _| {
+        super::fast::zeros::<B>(flat(len), device, dtype)
+    })
+    .unwrap_or_else(|| ShardTensor::Local(super::fast::zeros::<B>(shape, device, dtype)))
 }
 
 pub(crate) fn float_ones<B: Backend>(
@@ -580,7 +582,7 @@ pub(crate) fn float_slice_assign<B: Backend>(
     let slices = slices.to_owned();
     record(vec![tensor, value], move |t| {
         let mut t = t.into_iter();
-        B::float_slice_assign(t.next().expect("input"), &slices, t.next().expect("input"))
+        super::fast::slice_assign::<B>(t.next().expect("input"), &slices, t.next().expect("input"))
     })
 }
 

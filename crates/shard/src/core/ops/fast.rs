@@ -173,6 +173,133 @@ pub(crate) fn half_broadcast<B: Backend>(
     }
 }
 
+/// A float tensor of zeros. On Flex, allocated zeroed in its element type: Flex 0.21 allocates
+/// a zeroed byte vector and copies it into an aligned buffer (a transient of the tensor's
+/// size, twice the tensor at the moment it is made). Any other case is the backend's.
+pub(crate) fn zeros<B: Backend>(
+    shape: burn_std::Shape,
+    device: &burn_backend::tensor::Device<B>,
+    dtype: burn_backend::FloatDType,
+) -> Prim<B> {
+    fn made<E: bytemuck::Pod + Default + Clone + Send + Sync>(
+        shape: burn_std::Shape,
+        dtype: DType,
+    ) -> burn_flex::FlexTensor {
+        let values = vec![E::default(); shape.num_elements()];
+        let layout = burn_flex::Layout::contiguous(shape);
+        burn_flex::FlexTensor::new(burn_std::Bytes::from_elems(values), layout, dtype)
+    }
+    if TypeId::of::<B>() != TypeId::of::<burn_flex::Flex>() {
+        return B::float_zeros(shape, device, dtype);
+    }
+    let t = match DType::from(dtype) {
+        DType::F32 => made::<f32>(shape, DType::F32),
+        DType::F64 => made::<f64>(shape, DType::F64),
+        DType::BF16 => made::<half::bf16>(shape, DType::BF16),
+        DType::F16 => made::<half::f16>(shape, DType::F16),
+        _ => return B::float_zeros(shape, device, dtype),
+    };
+    *(Box::new(t) as Box<dyn std::any::Any>)
+        .downcast::<Prim<B>>()
+        .expect("Flex's float tensor")
+}
+
+/// `slice_assign` of a float tensor: on Flex, written in place when the tensor is unique,
+/// contiguous, of the value's dtype and the slices are plain ranges. Flex 0.21 copies the whole
+/// tensor on every `slice_assign` (it holds a second handle to it while asking for its storage),
+/// a transient of the tensor's size each time: a fused loss writing its gradient a block of
+/// rows at a time, or autodiff's gradient of a slice. Any other case is the backend's.
+pub(crate) fn slice_assign<B: Backend>(
+    t: Prim<B>,
+    slices: &[burn_std::Slice],
+    value: Prim<B>,
+) -> Prim<B> {
+    if flex::<B>(&t).is_none() || flex::<B>(&value).is_none() {
+        return B::float_slice_assign(t, slices, value);
+    }
+    let mut x = (Box::new(t) as Box<dyn std::any::Any>)
+        .downcast::<burn_flex::FlexTensor>()
+        .expect("Flex's float tensor");
+    let written = {
+        let v = flex::<B>(&value).expect("checked above");
+        written_in_place(&mut x, slices, v)
+    };
+    let t = *(x as Box<dyn std::any::Any>)
+        .downcast::<Prim<B>>()
+        .expect("Flex's float tensor");
+    match written {
+        true => t,
+        false => B::float_slice_assign(t, slices, value),
+    }
+}
+
+/// Writes `v` into the region of `x` that `slices` select, if `x` can be written in place (see
+/// [`slice_assign`]); whether it was.
+fn written_in_place(
+    x: &mut burn_flex::FlexTensor,
+    slices: &[burn_std::Slice],
+    v: &burn_flex::FlexTensor,
+) -> bool {
+    let shape = x.layout().shape().to_vec();
+    let whole = !shape.is_empty()
+        && x.is_contiguous()
+        && x.layout().start_offset() == 0
+        && x.bytes().len() == x.layout().num_elements() * x.dtype().size();
+    if !whole || !x.is_unique() || x.dtype() != v.dtype() || slices.len() > shape.len() {
+        return false;
+    }
+    let mut ranges = Vec::with_capacity(shape.len());
+    for (d, &size) in shape.iter().enumerate() {
+        match slices.get(d) {
+            Some(s) if s.step() != 1 => return false,
+            Some(s) => ranges.push(s.to_range(size)),
+            None => ranges.push(0..size),
+        }
+    }
+    let region: Vec<usize> = ranges.iter().map(|r| r.len()).collect();
+    if v.layout().shape().to_vec() != region || region.contains(&0) {
+        return region.contains(&0) && v.layout().num_elements() == 0;
+    }
+    let v = contiguous(v);
+    fn write<E: burn_backend::Element + bytemuck::Pod>(
+        x: &mut burn_flex::FlexTensor,
+        v: &burn_flex::FlexTensor,
+        shape: &[usize],
+        ranges: &[std::ops::Range<usize>],
+    ) -> bool {
+        let (Some(dst), Some(src)) = (x.try_storage_mut::<E>(), v.as_slice::<E>()) else {
+            return false;
+        };
+        let nd = shape.len();
+        let span = ranges[nd - 1].len();
+        // Row-major strides of `x`, and the index of each span's first value (an odometer
+        // over the region's leading dimensions).
+        let mut strides = vec![1usize; nd];
+        for d in (0..nd - 1).rev() {
+            strides[d] = strides[d + 1] * shape[d + 1];
+        }
+        let mut index: Vec<usize> = ranges.iter().map(|r| r.start).collect();
+        for chunk in src.chunks_exact(span) {
+            let at: usize = index.iter().zip(&strides).map(|(i, s)| i * s).sum();
+            dst[at..at + span].copy_from_slice(chunk);
+            for d in (0..nd - 1).rev() {
+                index[d] += 1;
+                if index[d] < ranges[d].end {
+                    break;
+                }
+                index[d] = ranges[d].start;
+            }
+        }
+        true
+    }
+    match x.dtype() {
+        DType::F32 => write::<f32>(x, &v, &shape, &ranges),
+        DType::BF16 => write::<half::bf16>(x, &v, &shape, &ranges),
+        DType::F16 => write::<half::f16>(x, &v, &shape, &ranges),
+        _ => false,
+    }
+}
+
 fn on_flex_f32<B: Backend>(t: &Prim<B>) -> bool {
     TypeId::of::<B>() == TypeId::of::<burn_flex::Flex>() && t.dtype() == DType::F32
 }
@@ -375,10 +502,144 @@ pub(crate) fn matmul<B: Backend>(a: Prim<B>, b: Prim<B>) -> Prim<B> {
     if !(bf16_on_flex(&a) && bf16_on_flex(&b)) {
         return B::float_matmul(a, b);
     }
+    let fast = flex::<B>(&a)
+        .zip(flex::<B>(&b))
+        .and_then(|(a, b)| by_rows(a, b).or_else(|| dot(a, b)));
+    if let Some(data) = fast {
+        return B::float_from_data(data, &B::float_device(&a));
+    }
     match (widened_in_place::<B>(&a), widened_in_place::<B>(&b)) {
         (Some(wa), Some(wb)) => cast::<B>(B::float_matmul(wa, wb), burn_backend::FloatDType::BF16),
         _ => B::float_matmul(a, b),
     }
+}
+
+/// The product of a bf16 row `[1, k]` and a bf16 column `[k, 1]` of many values (a fused
+/// loss's `logits · grad`), accumulated in f32 a block at a time (on Rayon's threads), without
+/// widening either operand whole (two f32 transients twice their size). The f32 sum of the
+/// same products, in another order than Flex's (not bit for bit its value). `None` otherwise.
+fn dot(a: &burn_flex::FlexTensor, b: &burn_flex::FlexTensor) -> Option<burn_backend::TensorData> {
+    use half::bf16;
+    use rayon::prelude::*;
+    const BLOCK: usize = 1 << 15;
+    let (1, k, _, a_cs) = a.layout().as_2d_strides()? else {
+        return None;
+    };
+    let (kb, 1, b_rs, _) = b.layout().as_2d_strides()? else {
+        return None;
+    };
+    if k != kb || k < 2 * BLOCK || a_cs < 1 || b_rs < 1 {
+        return None;
+    }
+    let (a_cs, b_rs) = (a_cs as usize, b_rs as usize);
+    let a_values = &a.storage::<bf16>()[a.layout().start_offset()..];
+    let b_values = &b.storage::<bf16>()[b.layout().start_offset()..];
+    if a_values.len() <= (k - 1) * a_cs || b_values.len() <= (k - 1) * b_rs {
+        return None;
+    }
+    let sum: f32 = (0..k.div_ceil(BLOCK))
+        .into_par_iter()
+        .map(|block| {
+            (block * BLOCK..((block + 1) * BLOCK).min(k))
+                .map(|j| a_values[j * a_cs].to_f32() * b_values[j * b_rs].to_f32())
+                .sum::<f32>()
+        })
+        .sum();
+    Some(burn_backend::TensorData::new(
+        vec![bf16::from_f32(sum)],
+        vec![1, 1],
+    ))
+}
+
+/// The product of two 2-d bf16 Flex tensors whose f32 product would be large, formed a block of
+/// rows at a time: the rows of `a` widened to f32, multiplied by `b` widened in its own layout,
+/// and the block rounded into the bf16 result. Whole, the f32 product is a transient twice the
+/// result's size (a language model's logits: the forward's peak); here it is one block of about
+/// 64k values (at least 64 rows). The same values as the whole product rounded (each value is
+/// the same f32 sum over `k`). `None` for other operands: batched, small, negative strides, or
+/// a small view of a large buffer.
+fn by_rows(
+    a: &burn_flex::FlexTensor,
+    b: &burn_flex::FlexTensor,
+) -> Option<burn_backend::TensorData> {
+    use half::bf16;
+    const BLOCK: usize = 1 << 16;
+    let (m, k, a_rs, a_cs) = a.layout().as_2d_strides()?;
+    let (kb, n, b_rs, b_cs) = b.layout().as_2d_strides()?;
+    let storage_ok = |t: &burn_flex::FlexTensor| {
+        t.layout().has_positive_strides()
+            && t.storage::<bf16>().len() <= 4 * t.layout().num_elements()
+    };
+    if k != kb || m * n < 2 * BLOCK || k == 0 || !storage_ok(a) || !storage_ok(b) {
+        return None;
+    }
+    let (a_rs, a_cs, b_rs, b_cs) = (a_rs as usize, a_cs as usize, b_rs as usize, b_cs as usize);
+    let a_values = &a.storage::<bf16>()[a.layout().start_offset()..];
+    let b_values = &b.storage::<bf16>()[b.layout().start_offset()..];
+    let b_wide = converted(b_values, |x, o| {
+        o.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
+    });
+    let rows = (BLOCK / n).max(64).min(m);
+    let parallelism = if rows * n * k >= 1 << 22 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    let mut out = vec![bf16::default(); m * n];
+    let mut block = vec![0f32; rows * k];
+    let mut acc = vec![0f32; rows * n];
+    for r0 in (0..m).step_by(rows) {
+        let r = rows.min(m - r0);
+        for (i, dst) in block.chunks_exact_mut(k).take(r).enumerate() {
+            let row = (r0 + i) * a_rs;
+            for (j, d) in dst.iter_mut().enumerate() {
+                *d = a_values[row + j * a_cs].to_f32();
+            }
+        }
+        // SAFETY: `block` is `[r, k]` and `acc` `[r, n]`, row-major; `b_wide` holds `b`'s
+        // values from its start offset in `b`'s layout, so `(i, j)` is at `i b_rs + j b_cs`
+        // for `i < k`, `j < n`, all within it (positive strides, as its layout says).
+        unsafe {
+            gemm::gemm(
+                r,
+                n,
+                k,
+                acc.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                block.as_ptr(),
+                1,
+                k as isize,
+                b_wide.as_ptr(),
+                b_cs as isize,
+                b_rs as isize,
+                0f32,
+                1f32,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+        }
+        let dst = &mut out[r0 * n..(r0 + r) * n];
+        let src = &acc[..r * n];
+        if r * n > 2 * (1 << 15) {
+            use rayon::prelude::*;
+            dst.par_chunks_mut(1 << 15)
+                .zip(src.par_chunks(1 << 15))
+                .for_each(|(d, s)| {
+                    d.iter_mut()
+                        .zip(s)
+                        .for_each(|(d, s)| *d = bf16::from_f32(*s))
+                });
+        } else {
+            dst.iter_mut()
+                .zip(src)
+                .for_each(|(d, s)| *d = bf16::from_f32(*s));
+        }
+    }
+    Some(burn_backend::TensorData::new(out, vec![m, n]))
 }
 
 /// A bf16 Flex tensor widened to f32 in its own layout, when its storage holds at most four
@@ -676,6 +937,82 @@ mod tests {
             let got = values(matmul::<Flex>(a.clone(), b.clone()));
             let want = values(Flex::float_matmul(a, b));
             assert_eq!(got, want, "case {i}");
+        }
+        // Products large enough to be formed a block of rows at a time (the last block
+        // short), contiguous and transposed.
+        let large = [
+            (tensor(vec![333, 70], 0.013), tensor(vec![70, 500], 0.029)),
+            (
+                t(tensor(vec![70, 333], 0.013)),
+                t(tensor(vec![500, 70], 0.029)),
+            ),
+        ];
+        for (i, (a, b)) in large.into_iter().enumerate() {
+            assert!(by_rows(flex::<Flex>(&a).unwrap(), flex::<Flex>(&b).unwrap()).is_some());
+            let got = values(matmul::<Flex>(a.clone(), b.clone()));
+            let want = values(Flex::float_matmul(a, b));
+            assert_eq!(got, want, "large case {i}");
+        }
+        // A long row by a long column: the f32 sum (in another order) rounded once.
+        let a = tensor(vec![1, 70_001], 0.013);
+        let b = t(tensor(vec![1, 70_001], 0.029));
+        assert!(dot(flex::<Flex>(&a).unwrap(), flex::<Flex>(&b).unwrap()).is_some());
+        let want: f64 = values(a.clone())
+            .1
+            .iter()
+            .zip(values(b.clone()).1)
+            .map(|(x, y)| x * y)
+            .sum();
+        let got = values(matmul::<Flex>(a, b)).1[0];
+        assert!((got - want).abs() <= want.abs() / 128.0, "{got} vs {want}");
+    }
+
+    /// `zeros` gives Flex's zeros in every float dtype.
+    #[test]
+    fn zeros_are_flex_zeros() {
+        for dtype in [
+            FloatDType::F64,
+            FloatDType::F32,
+            FloatDType::BF16,
+            FloatDType::F16,
+        ] {
+            let got = zeros::<Flex>(vec![3, 4].into(), &Default::default(), dtype);
+            assert_eq!(got.dtype(), DType::from(dtype));
+            let want = Flex::float_zeros(vec![3, 4].into(), &Default::default(), dtype);
+            assert_eq!(values(got), values(want), "{dtype:?}");
+        }
+    }
+
+    /// `slice_assign` gives Flex's values, writing a unique tensor in place (its buffer kept)
+    /// and leaving a shared one to Flex (the other holder sees no change).
+    #[test]
+    fn slice_assign_is_flex_slice_assign() {
+        use burn_std::Slice;
+        for dtype in [FloatDType::F32, FloatDType::BF16] {
+            let slices = [
+                Slice::new(1, Some(3), 1),
+                Slice::new(0, None, 1),
+                Slice::new(-4, None, 1),
+            ];
+            let value = || tensor(vec![2, 5, 4], 0.5, dtype);
+            let want = values(Flex::float_slice_assign(
+                tensor(vec![3, 5, 7], 0.25, dtype),
+                &slices,
+                value(),
+            ));
+            let unique = tensor(vec![3, 5, 7], 0.25, dtype);
+            let before = flex::<Flex>(&unique).unwrap().bytes().as_ptr();
+            let got = slice_assign::<Flex>(unique, &slices, value());
+            assert_eq!(
+                flex::<Flex>(&got).unwrap().bytes().as_ptr(),
+                before,
+                "{dtype:?}"
+            );
+            assert_eq!(values(got), want, "{dtype:?}");
+            let shared = tensor(vec![3, 5, 7], 0.25, dtype);
+            let other = shared.clone();
+            assert_eq!(values(slice_assign::<Flex>(shared, &slices, value())), want);
+            assert_eq!(values(other), values(tensor(vec![3, 5, 7], 0.25, dtype)));
         }
     }
 
