@@ -2,7 +2,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 use kiln_comm::hash::SplitMix64;
 
 /// The additive causal attention mask `[1, 1, seq, seq]`: 0 where a position may attend, the
@@ -69,6 +69,15 @@ pub trait CausalLm<B: Backend> {
 /// next-token targets, already shifted), over all positions: PyTorch's
 /// `cross_entropy(logits.reshape(-1, V), labels.reshape(-1))`. Returns shape `[1]`.
 ///
+/// The loss runs in f32 whatever the logits' dtype (autocast's f32 list). When gradients are
+/// taken (an autodiff backend) and the logits are bf16 (mixed precision), it is fused: the
+/// loss and its gradient with respect to the logits, `(softmax - onehot) / rows`, are computed
+/// together, a block of rows at a time in f32 ([`fused_cross_entropy`]), so what backward
+/// keeps is that gradient in bf16, half the bytes of the f32 tensor the composed log-softmax
+/// keeps (`exp`'s), and the forward holds no f32 copy of the logits whole (autocast's cast to
+/// f32 makes one). f32 logits keep the composed path: there the gradient would cost as much as
+/// what it keeps, and its in-place ops peak lower.
+///
 /// # Panics
 /// If the batch and sequence dimensions of `logits` and `labels` differ.
 pub fn causal_lm_loss<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>) -> Tensor<B, 1> {
@@ -80,14 +89,73 @@ pub fn causal_lm_loss<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int
         labels.dims(),
         [batch, seq, vocab]
     );
-    // The loss runs in f32 whatever the logits' dtype (autocast's f32 list: cross-entropy).
+    let logits = logits.reshape([batch * seq, vocab]);
+    let labels = labels.reshape([batch * seq, 1]);
+    if B::ad_enabled(&logits.device()) && logits.dtype() == DType::BF16 {
+        return fused_cross_entropy(logits, labels);
+    }
     let logits = match logits.dtype() {
         DType::F32 | DType::F64 => logits,
         _ => logits.cast(DType::F32),
     };
-    let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
-    let picked = log_probs.gather(1, labels.reshape([batch * seq, 1]));
-    picked.mean().neg()
+    log_softmax(logits, 1).gather(1, labels).mean().neg()
+}
+
+/// The most f32 values a block of [`fused_cross_entropy`] holds: 4 MiB.
+const LOSS_BLOCK_VALUES: usize = 1 << 20;
+
+/// Mean cross-entropy of `logits` `[rows, vocab]` (bf16; any float dtype with f32's range) against `labels` `[rows, 1]`,
+/// whose backward is the gradient computed here in forward.
+///
+/// The rows are taken in blocks (an eighth of them, at most [`LOSS_BLOCK_VALUES`] values): each
+/// block widened to f32, its log-sum-exp, the picked logits, and `(softmax - onehot) / rows`,
+/// which is rounded to the logits' dtype into `grad` (detached, written in place). The loss is
+/// their mean value plus `s - s.detach()`, zero in value, for `s = logits · grad` (one dot
+/// product): its gradient with respect to the logits is `grad` times the incoming gradient,
+/// and autodiff keeps only `grad` for it, the logits' size in their dtype. Values are those of
+/// the composed `log_softmax` in f32 up to rounding; the gradient reaching the logits is the
+/// f32 gradient rounded to their dtype, as autocast's cast rounds it, once more when the
+/// incoming gradient is not 1 (a loss divided by micro-batches). f16 logits keep the composed
+/// path: their range cannot hold `grad` before a loss scale multiplies it.
+fn fused_cross_entropy<B: Backend>(
+    logits: Tensor<B, 2>,
+    labels: Tensor<B, 2, Int>,
+) -> Tensor<B, 1> {
+    let [rows, vocab] = logits.dims();
+    let device = logits.device();
+    let dtype = logits.dtype();
+    let values = logits.clone().detach();
+    let mut grad = Tensor::<B, 2>::zeros([rows, vocab], (&device, dtype));
+    let mut total = Tensor::<B, 1>::zeros([1], (&device, DType::F32));
+    let block = rows
+        .div_ceil(8)
+        .min((LOSS_BLOCK_VALUES / vocab.max(1)).max(1))
+        .max(1);
+    let minus_one = |n: usize| Tensor::<B, 2>::full([n, 1], -1.0, (&device, DType::F32));
+    for start in (0..rows).step_by(block) {
+        let end = (start + block).min(rows);
+        let picks = labels.clone().slice([start..end, 0..1]);
+        let x = values
+            .clone()
+            .slice([start..end, 0..vocab])
+            .cast(DType::F32);
+        let shifted = x.clone() - x.max_dim(1);
+        let exp = shifted.clone().exp();
+        let sum = exp.clone().sum_dim(1);
+        let picked = shifted.gather(1, picks.clone());
+        total = total + (sum.clone().log() - picked).sum();
+        let block_grad = (exp * sum.recip())
+            .scatter(1, picks, minus_one(end - start), IndexingUpdateOp::Add)
+            .div_scalar(rows as f64);
+        grad = grad.slice_assign([start..end, 0..vocab], block_grad.cast(dtype));
+    }
+    let loss = total.div_scalar(rows as f64);
+    let s = logits
+        .reshape([1, rows * vocab])
+        .matmul(grad.reshape([rows * vocab, 1]))
+        .reshape([1])
+        .cast(DType::F32);
+    loss + (s.clone() - s.detach())
 }
 
 /// How the next token is chosen.
@@ -238,6 +306,63 @@ mod tests {
         let logits = Tensor::<TB, 3>::from_data(TensorData::new(values, [2, 3, 5]), &device);
         let loss: f32 = causal_lm_loss(logits, labels).into_scalar();
         assert!((loss - 5.0 * 5f32.ln() / 6.0).abs() < 1e-5, "{loss}");
+    }
+
+    /// The fused loss (autodiff, f32 and bf16 logits) gives the composed log-softmax's value
+    /// and gradient, for row counts that are not a multiple of its block, an incoming gradient
+    /// other than 1, and labels at both ends of the vocabulary.
+    #[test]
+    fn fused_loss_is_the_composed_loss() {
+        type AD = burn::backend::Autodiff<TB>;
+        let device = Default::default();
+        let composed = |logits: Tensor<AD, 3>, labels: Tensor<AD, 2, Int>| {
+            let [b, s, v] = logits.dims();
+            log_softmax(logits.reshape([b * s, v]).cast(DType::F32), 1)
+                .gather(1, labels.reshape([b * s, 1]))
+                .mean()
+                .neg()
+        };
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+            for [b, s, v] in [[2, 3, 5], [3, 7, 50], [1, 1, 9]] {
+                let n = b * s * v;
+                let values: Vec<f32> = (0..n)
+                    .map(|i| ((i * 7919 % 113) as f32 - 56.0) * 0.09)
+                    .collect();
+                let labels: Vec<i64> = (0..b * s)
+                    .map(|i| [0, v - 1, i % v][i % 3] as i64)
+                    .collect();
+                let labels =
+                    Tensor::<AD, 2, Int>::from_data(TensorData::new(labels, [b, s]), &device);
+                let run = |fused: bool| {
+                    let logits = Tensor::<AD, 3>::from_data(
+                        TensorData::new(values.clone(), [b, s, v]),
+                        &device,
+                    )
+                    .cast(dtype)
+                    .require_grad();
+                    let loss = match fused {
+                        true => causal_lm_loss(logits.clone(), labels.clone()),
+                        false => composed(logits.clone(), labels.clone()),
+                    };
+                    let value: f32 = loss.clone().into_scalar();
+                    let grads = loss.mul_scalar(0.37).backward();
+                    let grad = logits.grad(&grads).expect("a gradient").cast(DType::F32);
+                    (value, grad.into_data().to_vec::<f32>().unwrap())
+                };
+                let (fused, fused_grad) = run(true);
+                let (want, want_grad) = run(false);
+                assert!(
+                    (fused - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{dtype:?} {v}: {fused} vs {want}"
+                );
+                for (i, (g, w)) in fused_grad.iter().zip(&want_grad).enumerate() {
+                    assert!(
+                        (g - w).abs() <= tol * w.abs() + 1e-7,
+                        "{dtype:?} {v} [{i}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
