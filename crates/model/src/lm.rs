@@ -391,9 +391,12 @@ mod tests {
                 (fused - want).abs() <= 1e-5 * want.abs().max(1.0),
                 "{v}: {fused} vs {want}"
             );
+            // Both round the gradient to bf16, the fused one twice (its gradient, then the
+            // product by the incoming 0.37, itself rounded): a few bf16 steps apart (up to
+            // 1.04% here), within the 2e-2.
             for (i, (g, w)) in fused_grad.iter().zip(&want_grad).enumerate() {
                 assert!(
-                    (g - w).abs() <= 1e-2 * w.abs() + 1e-7,
+                    (g - w).abs() <= 2e-2 * w.abs() + 1e-7,
                     "{v} [{i}]: {g} vs {w}"
                 );
             }
