@@ -296,7 +296,7 @@ fn is_view(op: &OperationIr) -> bool {
 
 /// Whether an op is elementwise (its output may overwrite a consumed input of its size), or a
 /// float `slice_assign` (kiln writes it in place on Flex, as Burn's GPU backends do).
-fn is_elementwise(op: &OperationIr) -> bool {
+fn writes_in_place(op: &OperationIr) -> bool {
     match op {
         OperationIr::BaseFloat(BaseOperationIr::SliceAssign(_)) => true,
         OperationIr::NumericFloat(_, n) | OperationIr::NumericInt(_, n) => matches!(
@@ -439,7 +439,7 @@ impl RunnerClient for ShapesClient {
 
         let mut tensors = lock(&self.state.tensors);
         let inputs: Vec<&TensorIr> = op.inputs().collect();
-        let elementwise = is_elementwise(&op);
+        let in_place = writes_in_place(&op);
         // Memory of consumed inputs: freed after the op, or taken over by its output.
         let mut consumed: Vec<(TensorId, Option<Arc<Counted>>)> = inputs
             .iter()
@@ -455,7 +455,7 @@ impl RunnerClient for ShapesClient {
                     .find(|(id, _)| *id == first)
                     .and_then(|(_, m)| m.clone())
                     .or_else(|| tensors.get(&first).cloned())
-            } else if elementwise {
+            } else if in_place {
                 // In place only where no other tensor shares the memory (a view of it, or the
                 // tensor it is a view of, still alive), as Flex writes in place only into
                 // storage nobody else holds.

@@ -199,9 +199,7 @@ pub(crate) fn zeros<B: Backend>(
         DType::F16 => made::<half::f16>(shape, DType::F16),
         _ => return B::float_zeros(shape, device, dtype),
     };
-    *(Box::new(t) as Box<dyn std::any::Any>)
-        .downcast::<Prim<B>>()
-        .expect("Flex's float tensor")
+    into_prim::<B>(t).expect("B is Flex")
 }
 
 /// `slice_assign` of a float tensor: on Flex, written in place when the tensor is unique,
@@ -224,9 +222,7 @@ pub(crate) fn slice_assign<B: Backend>(
         let v = flex::<B>(&value).expect("checked above");
         written_in_place(&mut x, slices, v)
     };
-    let t = *(x as Box<dyn std::any::Any>)
-        .downcast::<Prim<B>>()
-        .expect("Flex's float tensor");
+    let t = into_prim::<B>(*x).expect("B is Flex");
     match written {
         true => t,
         false => B::float_slice_assign(t, slices, value),
@@ -257,8 +253,12 @@ fn written_in_place(
         }
     }
     let region: Vec<usize> = ranges.iter().map(|r| r.len()).collect();
-    if v.layout().shape().to_vec() != region || region.contains(&0) {
-        return region.contains(&0) && v.layout().num_elements() == 0;
+    if v.layout().shape().to_vec() != region {
+        return false;
+    }
+    if region.contains(&0) {
+        // Nothing to write.
+        return true;
     }
     let v = contiguous(v);
     fn write<E: burn_backend::Element + bytemuck::Pod>(
@@ -429,12 +429,6 @@ fn exp_wide(x: f32) -> f64 {
 pub(crate) fn cast<B: Backend>(t: Prim<B>, dtype: burn_backend::FloatDType) -> Prim<B> {
     use half::{bf16, f16};
     let to = DType::from(dtype);
-    fn narrow<H: Half>(x: &[f32], o: &mut [H]) {
-        o.iter_mut().zip(x).for_each(|(o, x)| *o = H::from_f32(*x));
-    }
-    fn widen<H: Half>(x: &[H], o: &mut [f32]) {
-        o.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
-    }
     let flex = match flex::<B>(&t) {
         Some(flex) if t.dtype() != to => contiguous(flex),
         _ => return B::float_cast(t, dtype),
@@ -469,23 +463,105 @@ fn data<S: Copy + Sync, T: burn_backend::Element + Default + Send>(
     burn_backend::TensorData::new(converted(xs, convert), shape.to_vec())
 }
 
-/// The values `convert` writes from `xs`, a chunk at a time (on Rayon's threads for large
-/// slices).
+/// The values `convert` writes from `xs`, a chunk at a time ([`convert_into`]).
 fn converted<S: Copy + Sync, T: Default + Clone + Send>(
     xs: &[S],
     convert: impl Fn(&[S], &mut [T]) + Sync,
 ) -> Vec<T> {
-    const CHUNK: usize = 1 << 15;
     let mut out = vec![T::default(); xs.len()];
+    convert_into(xs, &mut out, convert);
+    out
+}
+
+/// Has `convert` write `out` from `xs` (of the same length), a chunk at a time (on Rayon's
+/// threads for large slices).
+fn convert_into<S: Copy + Sync, T: Send>(
+    xs: &[S],
+    out: &mut [T],
+    convert: impl Fn(&[S], &mut [T]) + Sync,
+) {
+    const CHUNK: usize = 1 << 15;
     if xs.len() > 2 * CHUNK {
         use rayon::prelude::*;
         out.par_chunks_mut(CHUNK)
             .zip(xs.par_chunks(CHUNK))
             .for_each(|(o, x)| convert(x, o));
     } else {
-        convert(xs, &mut out);
+        convert(xs, out);
     }
-    out
+}
+
+/// Rounds f32 values to the half type `H`.
+fn narrow<H: Half>(x: &[f32], o: &mut [H]) {
+    o.iter_mut().zip(x).for_each(|(o, x)| *o = H::from_f32(*x));
+}
+
+/// Widens values of the half type `H` to f32.
+fn widen<H: Half>(x: &[H], o: &mut [f32]) {
+    o.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
+}
+
+/// A Flex tensor as the inner tensor of `B`, when `B` is Flex.
+fn into_prim<B: Backend>(t: burn_flex::FlexTensor) -> Option<Prim<B>> {
+    (Box::new(t) as Box<dyn std::any::Any>)
+        .downcast::<Prim<B>>()
+        .ok()
+        .map(|t| *t)
+}
+
+/// Whether kiln widens a bf16 Flex tensor's storage in its own layout: when the storage holds at
+/// most four times its values (a small view of a large buffer is left to Flex).
+fn widened_whole(t: &burn_flex::FlexTensor) -> bool {
+    t.storage::<half::bf16>().len() <= 4 * t.layout().num_elements()
+}
+
+/// Rayon's threads for a product of `m n k` multiply-adds of at least 4M, else one thread.
+fn parallelism(mnk: usize) -> gemm::Parallelism {
+    if mnk >= 1 << 22 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
+/// `dst [m, n] = lhs [m, k] rhs` in f32, `dst` and `lhs` row-major and contiguous, `rhs`
+/// read through its strides (`rhs_rs` between rows, `rhs_cs` between columns).
+///
+/// # Safety
+/// `dst` holds `m n` values, `lhs` `m k`, and `rhs` every `i rhs_rs + j rhs_cs` for `i < k`,
+/// `j < n`.
+unsafe fn gemm_f32(
+    dst: &mut [f32],
+    lhs: &[f32],
+    rhs: &[f32],
+    [m, k, n]: [usize; 3],
+    [rhs_rs, rhs_cs]: [usize; 2],
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: the caller's bounds, as `gemm` reads and writes them.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            lhs.as_ptr(),
+            1,
+            k as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            0f32,
+            1f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
 }
 
 /// `matmul` of two bf16 Flex tensors.
@@ -573,10 +649,8 @@ fn by_rows(
     const BLOCK: usize = 1 << 16;
     let (m, k, a_rs, a_cs) = a.layout().as_2d_strides()?;
     let (kb, n, b_rs, b_cs) = b.layout().as_2d_strides()?;
-    let storage_ok = |t: &burn_flex::FlexTensor| {
-        t.layout().has_positive_strides()
-            && t.storage::<bf16>().len() <= 4 * t.layout().num_elements()
-    };
+    let storage_ok =
+        |t: &burn_flex::FlexTensor| t.layout().has_positive_strides() && widened_whole(t);
     if k != kb || m * n < 2 * BLOCK || k == 0 || !storage_ok(a) || !storage_ok(b) {
         return None;
     }
@@ -588,15 +662,8 @@ fn by_rows(
     if last(m, a_rs, k, a_cs) >= a_values.len() || last(k, b_rs, n, b_cs) >= b_values.len() {
         return None;
     }
-    let b_wide = converted(b_values, |x, o| {
-        o.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
-    });
+    let b_wide = converted(b_values, widen::<bf16>);
     let rows = (BLOCK / n).max(64).min(m);
-    let parallelism = if rows * n * k >= 1 << 22 {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
     let mut out = vec![bf16::default(); m * n];
     let mut block = vec![0f32; rows * k];
     let mut acc = vec![0f32; rows * n];
@@ -608,48 +675,23 @@ fn by_rows(
                 *d = a_values[row + j * a_cs].to_f32();
             }
         }
-        // SAFETY: `block` is `[r, k]` and `acc` `[r, n]`, row-major; `b_wide` holds `b`'s
-        // values from its start offset in `b`'s layout, so `(i, j)` is at `i b_rs + j b_cs`
-        // for `i < k`, `j < n`, all within it (positive strides, as its layout says).
+        // SAFETY: `acc` holds `r n` values and `block` `r k`; `b_wide` holds `b`'s values from
+        // its start offset in `b`'s layout, whose last index read was checked above.
         unsafe {
-            gemm::gemm(
-                r,
-                n,
-                k,
-                acc.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                block.as_ptr(),
-                1,
-                k as isize,
-                b_wide.as_ptr(),
-                b_cs as isize,
-                b_rs as isize,
-                0f32,
-                1f32,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
-        let dst = &mut out[r0 * n..(r0 + r) * n];
-        let src = &acc[..r * n];
-        if r * n > 2 * (1 << 15) {
-            use rayon::prelude::*;
-            dst.par_chunks_mut(1 << 15)
-                .zip(src.par_chunks(1 << 15))
-                .for_each(|(d, s)| {
-                    d.iter_mut()
-                        .zip(s)
-                        .for_each(|(d, s)| *d = bf16::from_f32(*s))
-                });
-        } else {
-            dst.iter_mut()
-                .zip(src)
-                .for_each(|(d, s)| *d = bf16::from_f32(*s));
-        }
+            gemm_f32(
+                &mut acc[..r * n],
+                &block[..r * k],
+                &b_wide,
+                [r, k, n],
+                [b_rs, b_cs],
+                parallelism(rows * n * k),
+            )
+        };
+        convert_into(
+            &acc[..r * n],
+            &mut out[r0 * n..(r0 + r) * n],
+            narrow::<bf16>,
+        );
     }
     Some(burn_backend::TensorData::new(out, vec![m, n]))
 }
@@ -659,23 +701,13 @@ fn by_rows(
 /// (three times their values), whose vectorised widening still costs less than Flex's copy of
 /// the view element by element; a view of a small part of a large buffer is left to Flex.
 fn widened_in_place<B: Backend>(t: &Prim<B>) -> Option<Prim<B>> {
-    let x = flex::<B>(t)?;
-    let storage = x.storage::<half::bf16>();
-    if storage.len() > 4 * x.layout().num_elements() {
-        return None;
-    }
-    let wide = converted(storage, |x, o| {
-        o.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
-    });
-    let wide = burn_flex::FlexTensor::new(
+    let x = flex::<B>(t).filter(|x| widened_whole(x))?;
+    let wide = converted(x.storage::<half::bf16>(), widen::<half::bf16>);
+    into_prim::<B>(burn_flex::FlexTensor::new(
         burn_std::Bytes::from_elems(wide),
         x.layout().clone(),
         DType::F32,
-    );
-    (Box::new(wide) as Box<dyn std::any::Any>)
-        .downcast::<Prim<B>>()
-        .ok()
-        .map(|t| *t)
+    ))
 }
 
 /// `linear(x, w, bias)` in a half-precision compute dtype on Flex, without a half-precision
@@ -760,11 +792,7 @@ fn panels<H: Half>(
     let mut out = vec![H::default(); m * n];
     let mut panel = vec![0f32; k * width];
     let mut acc = vec![0f32; m * width];
-    let parallelism = if m * n * k >= 1 << 22 {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism = parallelism(m * n * k);
     for c0 in (0..n).step_by(PANEL) {
         let nc = PANEL.min(n - c0);
         for (row, dst) in weight.chunks_exact(n).zip(panel.chunks_exact_mut(nc)) {
@@ -774,29 +802,7 @@ fn panels<H: Half>(
         }
         // SAFETY: `xs` is `[m, k]`, `panel` `[k, nc]` and `acc` `[m, nc]`, all row-major,
         // alive and at least that long.
-        unsafe {
-            gemm::gemm(
-                m,
-                nc,
-                k,
-                acc.as_mut_ptr(),
-                1,
-                nc as isize,
-                false,
-                xs.as_ptr(),
-                1,
-                k as isize,
-                panel.as_ptr(),
-                1,
-                nc as isize,
-                0f32,
-                1f32,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
+        unsafe { gemm_f32(&mut acc, xs, &panel, [m, k, nc], [nc, 1], parallelism) };
         for (dst, src) in out.chunks_exact_mut(n).zip(acc.chunks_exact(nc)) {
             let dst = &mut dst[c0..c0 + nc];
             match bias {
