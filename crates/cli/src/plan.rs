@@ -34,6 +34,10 @@ pub struct PlanArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
+    /// Measure this machine again (--gpu cpu) instead of reading the calibration kept from
+    /// an earlier plan, and keep the new one.
+    #[arg(long)]
+    recalibrate: bool,
     #[command(flatten)]
     job: FinetuneArgs,
 }
@@ -98,6 +102,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     }
     let recipe = recipe(args)?;
     let world = recipe.parallel.ranks;
+    if args.recalibrate {
+        kiln_plan::calibrate::recalibrate();
+    }
     let mut profile = kiln_plan::profile(&args.gpu, world).map_err(anyhow::Error::msg)?;
     if let Some(n) = args.per_node {
         if n == 0 {

@@ -4,11 +4,14 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Distribution, Tensor};
 use kiln_comm::{BufMut, GroupOptions, LocalGroup, ProcessGroup, ReduceOp};
 use kiln_shard::Shard;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 /// What this machine measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Calibration {
     /// Cores (threads the kernels use).
     pub cores: usize,
@@ -19,8 +22,14 @@ pub struct Calibration {
     pub depth_efficiency: [f64; 4],
     /// The FLOP/s of a matmul through kiln's decorator under a bf16 policy.
     pub matmul_half: f64,
-    /// Bytes/s of a large elementwise op (read two, write one).
+    /// Bytes/s of a large elementwise op (read two, write one: 48 MiB moved).
     pub mem_bw: f64,
+    /// One rank's `mem_bw` alone times the ranks, over one rank's on all cores (the
+    /// machine's): how far the ranks slow each other streaming at once (0 for one rank).
+    pub mem_contention: f64,
+    /// The rate of the same add moving 768 KiB, 6 MiB, 24 MiB and 48 MiB (the buckets of
+    /// [`crate::Work::bytes_by_size`]), as a multiple of `mem_bw` (the last is 1).
+    pub bw_by_size: [f64; 4],
     /// Bytes/s of kiln's bf16 elementwise kernels (an add, a broadcast add, a scalar product
     /// and a sum over rows: their mean time per byte).
     pub mem_bw_half: f64,
@@ -28,27 +37,149 @@ pub struct Calibration {
     pub op_overhead: f64,
     /// Seconds of an all-reduce of one value between two ranks as threads.
     pub message_latency: f64,
+    /// When it was measured, seconds since the Unix epoch.
+    pub measured_at: u64,
 }
 
-fn best(reps: usize, mut f: impl FnMut()) -> f64 {
+/// Each bench's median time, the benches timed in turns (one run of each per round), round
+/// after round for at least [`ROUNDS`] rounds and [`WINDOW`] seconds. A step's time on a
+/// shared VM moves by ~20% over seconds; the earlier calibration (the best of 3 to 8 runs of
+/// each bench in a burst of ~30 ms) caught a fast or a slow phase whole, and the same layout's
+/// plan moved by up to 40% between two calls. Sampled over a second, as a step's own kernels
+/// are, and taken at the median, as the measured step time is.
+fn medians<const N: usize>(mut benches: [&mut dyn FnMut() -> f64; N]) -> [f64; N] {
     // Warm: the first runs of an op pay the heap's growth (fresh pages faulted in), which a
     // training step's kernels, reusing the memory of the step before, do not.
-    for _ in 0..3 {
-        f();
-    }
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
+    for f in benches.iter_mut() {
+        for _ in 0..3 {
             f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
+        }
+    }
+    let mut times: [Vec<f64>; N] = std::array::from_fn(|_| Vec::new());
+    let start = Instant::now();
+    let mut rounds = 0;
+    while rounds < ROUNDS || start.elapsed().as_secs_f64() < WINDOW {
+        for (f, t) in benches.iter_mut().zip(times.iter_mut()) {
+            t.push(f());
+        }
+        rounds += 1;
+    }
+    times.map(|mut t| {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    })
 }
 
-/// Measures what one of `ranks` ranks as threads of this machine gets (about a second, once
-/// per process and number of ranks): the kernels run in a pool of the threads `kiln train`
-/// gives each rank, and where the ranks' threads outnumber the cores, the rates are divided
-/// by how many share each core.
+/// The seconds `f` takes.
+fn timed(f: impl FnOnce()) -> f64 {
+    let at = Instant::now();
+    f();
+    at.elapsed().as_secs_f64()
+}
+
+/// The fewest rounds of [`medians`].
+const ROUNDS: usize = 7;
+/// The shortest time [`medians`] samples a group of benches over, seconds.
+const WINDOW: f64 = 1.0;
+
+/// Whether [`measure`] measures again instead of reading [`cache_path`]'s file (`kiln plan
+/// --recalibrate`); what it measures replaces the file's entry.
+static RECALIBRATE: AtomicBool = AtomicBool::new(false);
+
+/// Makes the calibrations of this process measured, not read from the cache.
+pub fn recalibrate() {
+    RECALIBRATE.store(true, Ordering::Relaxed);
+}
+
+/// The file calibrations are kept in between runs: `$KILN_CALIBRATION` (`off`: none), else
+/// `$XDG_CACHE_HOME/kiln/calibration.json`, else `~/.cache/kiln/calibration.json`.
+pub fn cache_path() -> Option<PathBuf> {
+    match std::env::var_os("KILN_CALIBRATION") {
+        Some(p) if p == "off" => None,
+        Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
+        _ => std::env::var_os("XDG_CACHE_HOME")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .map(|d| d.join("kiln").join("calibration.json")),
+    }
+}
+
+/// What a cached calibration is valid for: this machine (its CPU, cores and memory), the
+/// ranks and their threads, and the way kiln measures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Key {
+    cpu: String,
+    cores: usize,
+    memory: u64,
+    ranks: usize,
+    threads: usize,
+    /// kiln's version and [`METHOD`]: another way of measuring is another calibration.
+    method: String,
+}
+
+/// The way [`run`] measures; changed whenever it does.
+const METHOD: u32 = 2;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Entry {
+    key: Key,
+    calibration: Calibration,
+}
+
+fn key(ranks: usize, threads: usize) -> Key {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    Key {
+        cpu,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        memory: physical_memory(),
+        ranks,
+        threads,
+        method: format!("kiln {} method {METHOD}", env!("CARGO_PKG_VERSION")),
+    }
+}
+
+fn read_cache(path: &Path) -> Vec<Entry> {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+/// Keeps `entry` in the file at `path` (replacing its key's), written whole to a file beside
+/// it and renamed over it, so that a planner reading it meanwhile reads the old or the new
+/// whole. A cache that cannot be written is no error: the next run measures again.
+fn write_cache(path: &Path, entry: Entry) {
+    let mut entries = read_cache(path);
+    entries.retain(|e| e.key != entry.key);
+    entries.push(entry);
+    let Ok(bytes) = serde_json::to_vec_pretty(&entries) else {
+        return;
+    };
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let tmp = path.with_extension(format!("json.{}", std::process::id()));
+    if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// What one of `ranks` ranks as threads of this machine gets: read from [`cache_path`]'s
+/// file when this machine was calibrated for as many ranks before, else measured (about two
+/// seconds, four with several ranks) and kept there. The kernels run in a pool of the
+/// threads `kiln train` gives each rank, and where the ranks' threads outnumber the cores,
+/// the rates are divided by how many share each core. Calibrating once per machine keeps the
+/// plans of one sitting comparable: measured afresh, the same layout's plan moved by ~10%
+/// from call to call on a shared VM.
 pub fn measure(ranks: usize) -> Calibration {
     static DONE: Mutex<Vec<(usize, Calibration)>> = Mutex::new(Vec::new());
     let ranks = ranks.max(1);
@@ -61,6 +192,40 @@ pub fn measure(ranks: usize) -> Calibration {
         return *c;
     }
     let threads = kiln_shard::threads::per_rank(ranks).unwrap_or(1);
+    let key = key(ranks, threads);
+    let path = cache_path();
+    let cached = match (&path, RECALIBRATE.load(Ordering::Relaxed)) {
+        (Some(path), false) => read_cache(path)
+            .into_iter()
+            .find(|e| e.key == key)
+            .map(|e| e.calibration),
+        _ => None,
+    };
+    let c = cached.unwrap_or_else(|| {
+        let c = measure_now(ranks, threads);
+        if let Some(path) = &path {
+            write_cache(
+                path,
+                Entry {
+                    key,
+                    calibration: c,
+                },
+            );
+        }
+        c
+    });
+    DONE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push((ranks, c));
+    c
+}
+
+fn measure_now(ranks: usize, threads: usize) -> Calibration {
+    // One rank's rates first when several share the machine (how far they slow each other
+    // is measured against them below), measured now as the ranks' are, not read from the
+    // cache: measured after the products of another calibration, Flex's f32 add ran 4x slower
+    // for over a second (see `run`).
+    let all = (ranks > 1).then(|| measure_now(1, kiln_shard::threads::per_rank(1).unwrap_or(1)));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let oversubscribed = ((ranks * threads) as f64 / cores as f64).max(1.0);
     let mut c = kiln_shard::threads::with_own_pool(threads, run);
@@ -71,93 +236,138 @@ pub fn measure(ranks: usize) -> Calibration {
     c.mem_bw_half /= oversubscribed;
     c.op_overhead *= oversubscribed;
     // The ranks stream memory at once: each gets at most its share of the machine's.
-    if ranks > 1 {
-        let all = measure(1).mem_bw;
-        c.mem_bw = c.mem_bw.min(all / ranks as f64);
-        let all_half = measure(1).mem_bw_half;
-        c.mem_bw_half = c.mem_bw_half.min(all_half / ranks as f64);
+    if let Some(all) = all {
+        // Memory: one rank's own rates (each rank's in turn when the others compute), and how
+        // far they fall when several stream at once, for the plan to weigh by how much of its
+        // step each rank streams ([`crate::Profile::mem_contention`]). The 16-bit kernels
+        // (conversions as much as memory) capped at their share of the machine's rate.
+        c.mem_contention = c.mem_bw * ranks as f64 / all.mem_bw;
+        c.mem_bw_half = c.mem_bw_half.min(all.mem_bw_half / ranks as f64);
     }
-    DONE.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push((ranks, c));
     c
 }
 
 fn run() -> Calibration {
     type B = Flex;
+    type S = Shard<Flex>;
     let device = Default::default();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // 16 MiB tensors: the size of a step's activations, served from the heap as theirs are.
-    // Measured first: right after the matrix products below, Flex's f32 add ran 4x slower on
-    // this machine's AVX-512 CPU for the next several calls (9.6 ms against 2.4 ms; cause not
-    // found), which priced the elementwise work of a step at twice what the step took.
+    // Elementwise work first, in a group of its own: right after the matrix products below,
+    // Flex's f32 add ran 4x slower on this machine's AVX-512 CPU for the next several calls
+    // (9.6 ms against 2.4 ms; cause not found), which priced the elementwise work of a step at
+    // twice what the step took. 16 MiB tensors: the size of a step's activations, served from
+    // the heap as theirs are.
     let len = 1 << 22;
-    let x = Tensor::<B, 1>::random([len], Distribution::Default, &device);
+    let [small, medium, large, x] = [1 << 16, 1 << 19, 1 << 21, len]
+        .map(|n| Tensor::<B, 1>::random([n], Distribution::Default, &device));
     let y = Tensor::<B, 1>::random([len], Distribution::Default, &device);
-    let t = best(8, || {
-        let z = x.clone() + y.clone();
-        drop(z);
-    });
-    let mem_bw = 3.0 * (len * 4) as f64 / t;
+    let sized = |x: &Tensor<B, 1>| {
+        let y = y.clone().slice(0..x.dims()[0]);
+        let x = x.clone();
+        move || timed(|| drop(x.clone() + y.clone()))
+    };
+    let (mut add_small, mut add_medium, mut add_large) =
+        (sized(&small), sized(&medium), sized(&large));
     // kiln's bf16 elementwise kernels through the decorator, as a step runs them: Flex's
     // same-shape bf16 add streams at ~40% of f32's rate, but a broadcast, a scalar op and a
     // reduction over rows run at 2x to 7x its time per byte (widened and rounded piece by
     // piece, or Flex's scalar loops); one op of each, their mean time per byte. (With the add
     // alone the planner priced a bf16 step as an f32 one: 38% under the measured time.)
-    type S = Shard<Flex>;
     let bf16 = burn::tensor::DType::BF16;
     let x16 = Tensor::<S, 1>::random([len], Distribution::Default, &device).cast(bf16);
     let y16 = Tensor::<S, 1>::random([len], Distribution::Default, &device).cast(bf16);
     let rows = x16.clone().reshape([len / 1024, 1024]);
     let row = Tensor::<S, 2>::random([1, 1024], Distribution::Default, &device).cast(bf16);
+    let [
+        add,
+        add_small,
+        add_medium,
+        add_large,
+        add16,
+        broadcast16,
+        scalar16,
+        sum16,
+    ] = medians([
+        &mut || timed(|| drop(x.clone() + y.clone())),
+        &mut add_small,
+        &mut add_medium,
+        &mut add_large,
+        &mut || timed(|| drop(x16.clone() + y16.clone())),
+        &mut || timed(|| drop(rows.clone() + row.clone())),
+        &mut || timed(|| drop(x16.clone().mul_scalar(1.5))),
+        &mut || timed(|| drop(rows.clone().sum_dim(1))),
+    ]);
+    let mem_bw = 3.0 * (len * 4) as f64 / add;
+    let bw_by_size = [
+        (add_small, 1 << 16),
+        (add_medium, 1 << 19),
+        (add_large, 1 << 21),
+        (add, len),
+    ]
+    .map(|(t, n)| (3.0 * (n * 4) as f64 / t / mem_bw).max(1.0));
     let bytes = (len * 2) as f64;
     let seconds_per_byte = [
-        best(8, || drop(x16.clone() + y16.clone())) / (3.0 * bytes),
-        best(8, || drop(rows.clone() + row.clone())) / (2.0 * bytes),
-        best(8, || drop(x16.clone().mul_scalar(1.5))) / (2.0 * bytes),
-        best(8, || drop(rows.clone().sum_dim(1))) / bytes,
+        add16 / (3.0 * bytes),
+        broadcast16 / (2.0 * bytes),
+        scalar16 / (2.0 * bytes),
+        sum16 / bytes,
     ];
     let mem_bw_half = seconds_per_byte.len() as f64 / seconds_per_byte.iter().sum::<f64>();
+
+    // The products: f32 at one shape and at the depths of [`crate::Work::flops_by_depth`];
+    // kiln's 16-bit matmul on this CPU through the decorator under a bf16 policy (operands
+    // narrowed, the product computed and widened as a training step does); and the time of a
+    // small op through `Autodiff<Shard<Flex>>`, 2000 in a row.
     let (m, k, n) = (512, 1024, 1024);
     let a = Tensor::<B, 2>::random([m, k], Distribution::Default, &device);
     let b = Tensor::<B, 2>::random([k, n], Distribution::Default, &device);
-    let t = best(3, || {
-        let c = a.clone().matmul(b.clone());
-        let _ = c.into_data();
+    let deep = [32, 128, 512, 2048].map(|depth| {
+        (
+            Tensor::<B, 2>::random([512, depth], Distribution::Default, &device),
+            Tensor::<B, 2>::random([depth, 512], Distribution::Default, &device),
+        )
     });
-    let matmul_f32 = 2.0 * (m * k * n) as f64 / t;
-    let depth_efficiency = [32, 128, 512, 2048].map(|depth| {
-        let a = Tensor::<B, 2>::random([512, depth], Distribution::Default, &device);
-        let b = Tensor::<B, 2>::random([depth, 512], Distribution::Default, &device);
-        let t = best(3, || {
-            let _ = a.clone().matmul(b.clone()).into_data();
-        });
-        (2.0 * (512 * 512 * depth) as f64 / t / matmul_f32).min(1.0)
-    });
-
-    // kiln's 16-bit matmul on this CPU: through the decorator under a bf16 policy (operands
-    // narrowed, the product computed and widened as a training step does).
     let a16 = Tensor::<S, 2>::random([m, k], Distribution::Default, &device);
     let b16 = Tensor::<S, 2>::random([k, n], Distribution::Default, &device);
-    let t = best(3, || {
-        kiln_shard::autocast(kiln_shard::Precision::BF16, || {
-            let c = a16.clone().matmul(b16.clone());
-            let _ = c.into_data();
-        })
-    });
-    let matmul_half = 2.0 * (m * k * n) as f64 / t;
-
     type K = Autodiff<Shard<Flex>>;
     let ops = 2000;
-    let small = Tensor::<K, 1>::random([16], Distribution::Default, &device).require_grad();
-    let t = best(3, || {
-        let mut v = small.clone();
-        for _ in 0..ops {
-            v = v.mul_scalar(1.0001);
-        }
-        drop(v);
-    });
-    let op_overhead = t / ops as f64;
+    let small = Tensor::<K, 1>::random([16], Distribution::Default, &device);
+    let product = |(a, b): &(Tensor<B, 2>, Tensor<B, 2>)| {
+        let _ = a.clone().matmul(b.clone()).into_data();
+    };
+    let [f32_product, d32, d128, d512, d2048, half_product, chain] = medians([
+        &mut || timed(|| product(&(a.clone(), b.clone()))),
+        &mut || timed(|| product(&deep[0])),
+        &mut || timed(|| product(&deep[1])),
+        &mut || timed(|| product(&deep[2])),
+        &mut || timed(|| product(&deep[3])),
+        &mut || {
+            timed(|| {
+                kiln_shard::autocast(kiln_shard::Precision::BF16, || {
+                    let _ = a16.clone().matmul(b16.clone()).into_data();
+                })
+            })
+        },
+        &mut || {
+            let mut v = small.clone().require_grad();
+            let t = timed(|| {
+                for _ in 0..ops {
+                    v = v.clone().mul_scalar(1.0001);
+                }
+            });
+            // Untimed, the graph taken apart by a backward pass: autodiff's bookkeeping is
+            // one for the process, and the nodes of chains merely dropped stay in it until a
+            // backward pass, which then walks them all (the 40,000 of a calibration's rounds
+            // made the simulated step that follows 12x slower).
+            let _ = v.sum().backward();
+            t
+        },
+    ]);
+    let matmul_f32 = 2.0 * (m * k * n) as f64 / f32_product;
+    let depth_efficiency = [(32, d32), (128, d128), (512, d512), (2048, d2048)]
+        .map(|(depth, t)| (2.0 * (512 * 512 * depth) as f64 / t / matmul_f32).min(1.0));
+    let matmul_half = 2.0 * (m * k * n) as f64 / half_product;
+    let op_overhead = chain / ops as f64;
 
     let groups = LocalGroup::new_world(2, GroupOptions::default());
     let calls = 200;
@@ -189,10 +399,19 @@ fn run() -> Calibration {
         matmul_half,
         depth_efficiency,
         mem_bw,
+        bw_by_size,
+        mem_contention: 0.0,
         mem_bw_half,
         op_overhead,
         message_latency,
+        measured_at: now(),
     }
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// This machine's memory, bytes (`/proc/meminfo`; 16 GiB where it cannot be read).
@@ -206,4 +425,62 @@ pub fn physical_memory() -> u64 {
                 .and_then(|kib| kib.parse::<u64>().ok())
         })
         .map_or(16 << 30, |kib| kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(ranks: usize, rate: f64) -> Entry {
+        Entry {
+            key: key(ranks, 1),
+            calibration: Calibration {
+                cores: 2,
+                matmul_f32: rate,
+                depth_efficiency: [0.5, 1.0, 1.0, 1.0],
+                matmul_half: rate / 2.0,
+                mem_bw: 1e10,
+                mem_contention: 1.5,
+                bw_by_size: [1.2, 1.1, 1.0, 1.0],
+                mem_bw_half: 2e9,
+                op_overhead: 1e-6,
+                message_latency: 3e-5,
+                measured_at: 1_800_000_000,
+            },
+        }
+    }
+
+    #[test]
+    fn the_cache_keeps_one_calibration_per_key_and_reads_back_what_it_kept() {
+        let dir = std::env::temp_dir().join(format!("kiln-cal-{}", std::process::id()));
+        let path = dir.join("nested").join("calibration.json");
+        assert!(read_cache(&path).is_empty(), "no file: nothing cached");
+        write_cache(&path, entry(1, 1e11));
+        write_cache(&path, entry(2, 5e10));
+        write_cache(&path, entry(1, 2e11));
+        let kept = read_cache(&path);
+        assert_eq!(kept.len(), 2, "{kept:?}");
+        let one = kept.iter().find(|e| e.key.ranks == 1).unwrap();
+        assert_eq!(
+            one.calibration,
+            entry(1, 2e11).calibration,
+            "the newer replaced it"
+        );
+        assert_eq!(
+            kept.iter()
+                .find(|e| e.key.ranks == 2)
+                .unwrap()
+                .calibration
+                .matmul_f32,
+            5e10
+        );
+        // Another way of measuring is another key: not read as this one.
+        let mut other = key(1, 1);
+        other.method.push('x');
+        assert!(kept.iter().all(|e| e.key != other));
+        // A damaged file reads as empty (measured again), not as an error.
+        std::fs::write(&path, b"{ not json").unwrap();
+        assert!(read_cache(&path).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

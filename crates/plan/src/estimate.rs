@@ -105,8 +105,15 @@ pub fn comm_time(c: &Collective, p: &Profile) -> f64 {
     }
 }
 
-/// Seconds of compute for `w` on the profile, by one rank.
+/// Seconds of compute for `w` on the profile, by one rank whose memory no other rank streams
+/// from meanwhile.
 pub fn compute_time(w: &Work, p: &Profile) -> f64 {
+    compute_time_shared(w, p, 1.0)
+}
+
+/// Seconds of compute for `w`, its elementwise bytes beyond the caches (the buckets of 8 MiB
+/// and more) `slowdown` times slower than alone.
+fn compute_time_shared(w: &Work, p: &Profile, slowdown: f64) -> f64 {
     let e = p.efficiency;
     // The contractions' share of the peak, weighted by their FLOPs at each depth.
     let total: f64 = w.flops_by_depth.iter().sum();
@@ -121,8 +128,19 @@ pub fn compute_time(w: &Work, p: &Profile) -> f64 {
         }
         false => 1.0,
     };
+    // Elementwise bytes at their working set's rate; any not bucketed (none from the shape
+    // backend) at memory's.
+    let bucketed: f64 = w.bytes_by_size.iter().sum();
+    let elementwise = w
+        .bytes_by_size
+        .iter()
+        .zip(p.bw_by_size)
+        .enumerate()
+        .map(|(k, (b, s))| b / s.max(1e-3) * if k >= 2 { slowdown } else { 1.0 })
+        .sum::<f64>()
+        + (w.bytes - bucketed).max(0.0);
     (w.flops_f32 / (p.peak_f32 * e) + w.flops_half / (p.peak_half * e)) / depth
-        + (w.bytes + w.contraction_bytes) / (p.mem_bw * e)
+        + (elementwise + w.contraction_bytes) / (p.mem_bw * e)
         + w.bytes_half / (p.mem_bw_half * e)
         + w.ops as f64 * p.op_overhead
 }
@@ -162,6 +180,8 @@ fn replay(r: &RoleRun, p: &Profile) -> RolePlan {
     let first = events.first().map(|e| e.phases).unwrap_or_default();
     let last = events.last().map(|e| e.phases).unwrap_or_default();
     let phases: Phases = last.since(&first);
+    let slowdown = contention(&phases.total(), p);
+    let compute_time = |w: &Work, p: &Profile| compute_time_shared(w, p, slowdown);
     let compute_s = [
         compute_time(&phases.of(Phase::Forward), p),
         compute_time(&phases.of(Phase::Backward), p),
@@ -202,6 +222,42 @@ fn replay(r: &RoleRun, p: &Profile) -> RolePlan {
         comm_bytes,
         step_s: end,
     }
+}
+
+/// How much slower a rank doing `w` streams from memory for the other ranks sharing it
+/// (ranks as threads of one machine), on average: each of the `sharing - 1` others streams
+/// for the share `s` of its step that this rank's own streaming takes (the ranks do the same
+/// work, their ops not in step), so `k` of them stream at once with the binomial's
+/// probability, and a byte moved then costs `max(1, contention (k + 1) / sharing)` times
+/// its time alone. Full contention (every rank streaming all the time) priced a ZeRO step
+/// of 2 ranks 20-50% slow: their matrix products leave memory to each other.
+fn contention(w: &Work, p: &Profile) -> f64 {
+    let others = p.sharing.saturating_sub(1);
+    if others == 0 || p.mem_contention <= 0.0 {
+        return 1.0;
+    }
+    let alone = compute_time(w, p);
+    let streamed: f64 = w.bytes_by_size[2..]
+        .iter()
+        .zip(&p.bw_by_size[2..])
+        .map(|(b, s)| b / s.max(1e-3))
+        .sum::<f64>()
+        / (p.mem_bw * p.efficiency);
+    let s = match alone > 0.0 {
+        true => (streamed / alone).clamp(0.0, 1.0),
+        false => return 1.0,
+    };
+    let n = p.sharing as f64;
+    let mut choose = 1.0;
+    (0..=others)
+        .map(|k| {
+            if k > 0 {
+                choose *= (others - k + 1) as f64 / k as f64;
+            }
+            let prob = choose * s.powi(k as i32) * (1.0 - s).powi((others - k) as i32);
+            prob * (p.mem_contention * (k + 1) as f64 / n).max(1.0)
+        })
+        .sum()
 }
 
 /// What the plan needs of the recipe besides the simulation.
@@ -321,5 +377,65 @@ pub fn cost(plan: &Plan, tokens: f64, price: Option<f64>) -> Cost {
         hours,
         gpu_hours,
         price: price.map(|p| p * gpu_hours),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cpu(sharing: usize, contention: f64) -> Profile {
+        let mut p = crate::profile::profile("h100", 1).unwrap();
+        p.sharing = sharing;
+        p.mem_contention = contention;
+        p.mem_bw = 1e9;
+        p.bw_by_size = [2.0, 2.0, 1.0, 1.0];
+        p.op_overhead = 0.0;
+        p.efficiency = 1.0;
+        p
+    }
+
+    #[test]
+    fn ranks_sharing_memory_slow_each_other_by_how_much_of_their_step_they_stream() {
+        // Only streaming from memory beyond the caches, nothing else: the other rank streams
+        // all the time, so every byte is moved with both streaming.
+        let mut w = Work {
+            bytes: 1e9,
+            ..Work::default()
+        };
+        w.bytes_by_size[3] = 1e9;
+        assert!((contention(&w, &cpu(2, 2.0)) - 2.0).abs() < 1e-12);
+        assert!((contention(&w, &cpu(2, 1.5)) - 1.5).abs() < 1e-12);
+        // The machine serves both at their own rate: no slowdown.
+        assert_eq!(contention(&w, &cpu(2, 0.8)), 1.0);
+        // One rank, or memory of its own (a GPU): none.
+        assert_eq!(contention(&w, &cpu(1, 2.0)), 1.0);
+        assert_eq!(contention(&w, &cpu(2, 0.0)), 1.0);
+        // One second of products at the profile's peak and one of streaming: the other rank
+        // streams half the time, 1.5x on average.
+        let p = cpu(2, 2.0);
+        let mut half = w;
+        half.flops_f32 = p.peak_f32;
+        half.flops_by_depth[3] = p.peak_f32;
+        assert!(
+            (contention(&half, &p) - 1.5).abs() < 1e-9,
+            "{}",
+            contention(&half, &p)
+        );
+        // Four ranks, each streaming half its time: k others of 3 at once, binomial(3, 1/2);
+        // a byte costs max(1, 2 (k + 1) / 4): 1, 1, 1.5, 2 for k = 0..3.
+        let p4 = cpu(4, 2.0);
+        let expected = (1.0 + 3.0 * 1.0 + 3.0 * 1.5 + 2.0) / 8.0;
+        assert!((contention(&half, &p4) - expected).abs() < 1e-9);
+        // Working sets the caches hold are not slowed, and do not count as streaming.
+        let mut cached = Work {
+            bytes: 1e9,
+            ..Work::default()
+        };
+        cached.bytes_by_size[0] = 1e9;
+        assert_eq!(contention(&cached, &p), 1.0);
+        let t = compute_time_shared(&cached, &p, 2.0);
+        assert!((t - 0.5).abs() < 1e-12, "{t}");
+        assert!((compute_time_shared(&w, &p, 2.0) - 2.0).abs() < 1e-12);
     }
 }

@@ -28,6 +28,15 @@ pub struct Profile {
     pub depth_efficiency: [f64; 4],
     /// Device memory bandwidth, bytes/s.
     pub mem_bw: f64,
+    /// How far the ranks sharing this machine's memory slow each other when all stream from
+    /// it at once: one rank's rate alone (`mem_bw`) times the ranks sharing it, over the
+    /// machine's (0 where each has its own memory: GPUs, one rank). A rank streaming while
+    /// `k` others do runs at `mem_bw / max(1, contention (k + 1) / sharing)`.
+    pub mem_contention: f64,
+    /// The rate of f32 elementwise ops by the bytes each moves (the buckets of
+    /// [`crate::Work::bytes_by_size`]), as a multiple of `mem_bw`: 1 on GPUs, above 1 on a CPU
+    /// whose caches hold the smaller working sets.
+    pub bw_by_size: [f64; 4],
     /// The rate of elementwise ops on 16-bit data, bytes/s (the bandwidth on GPUs; on CPUs
     /// Flex converts each element, much slower).
     pub mem_bw_half: f64,
@@ -84,6 +93,8 @@ fn gpu(
         peak_half: half_tflops * T,
         // Not measured on GPUs: the efficiency factor stands for all depths.
         depth_efficiency: [1.0; 4],
+        bw_by_size: [1.0; 4],
+        mem_contention: 0.0,
         mem_bw: mem_tbs * T,
         mem_bw_half: mem_tbs * T,
         intra_bw: intra_gbs * GB,
@@ -197,18 +208,33 @@ pub fn profile(name: &str, ranks: usize) -> Result<Profile, String> {
 pub fn calibrate_cpu(ranks: usize) -> Profile {
     let c = crate::calibrate::measure(ranks);
     let memory = crate::calibrate::physical_memory() as f64;
+    let age = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        .saturating_sub(c.measured_at);
+    let when = match age {
+        a if a < 60 => "now".to_string(),
+        a if a < 7200 => format!("{} min ago", a / 60),
+        a if a < 172_800 => format!("{} h ago", a / 3600),
+        a => format!("{} days ago", a / 86400),
+    };
+    let kept = match crate::calibrate::cache_path() {
+        Some(p) => format!("kept in {}; --recalibrate measures again", p.display()),
+        None => "not kept".into(),
+    };
     Profile {
         name: "cpu".into(),
         description: format!(
-            "this machine: {} cores, {:.1} GiB (calibrated per rank of {}: f32 matmul {:.1} \
-             GFLOP/s, bf16 {:.1} GFLOP/s, memory {:.1} GB/s, bf16 elementwise {:.1} GB/s, {:.1} \
-             us per op)",
+            "this machine: {} cores, {:.1} GiB (calibrated {when} per rank of {}: f32 matmul \
+             {:.1} GFLOP/s, bf16 {:.1} GFLOP/s, memory {:.1} GB/s alone ({:.2}x slower when \
+             all ranks stream), bf16 elementwise {:.1} GB/s, {:.1} us per op; {kept})",
             c.cores,
             memory / GIB,
             ranks.max(1),
             c.matmul_f32 / 1e9,
             c.matmul_half / 1e9,
             c.mem_bw / 1e9,
+            c.mem_contention.max(1.0),
             c.mem_bw_half / 1e9,
             c.op_overhead * 1e6
         ),
@@ -218,6 +244,8 @@ pub fn calibrate_cpu(ranks: usize) -> Profile {
         peak_f32: c.matmul_f32,
         peak_half: c.matmul_half,
         depth_efficiency: c.depth_efficiency,
+        bw_by_size: c.bw_by_size,
+        mem_contention: c.mem_contention,
         mem_bw: c.mem_bw,
         mem_bw_half: c.mem_bw_half,
         intra_bw: c.mem_bw / 2.0,

@@ -108,6 +108,10 @@ pub struct Work {
     /// Bytes the ops other than contractions read and wrote, in f32 or wider (views move
     /// none).
     pub bytes: f64,
+    /// `bytes` by how many each op moved (inputs and outputs): below 1 MiB, below 8 MiB,
+    /// below 32 MiB, and more (a CPU serves an op's working set from its caches up to their
+    /// sizes, several times faster than from memory).
+    pub bytes_by_size: [f64; 4],
     /// Bytes the ops other than contractions read and wrote, of ops writing a 16-bit dtype.
     pub bytes_half: f64,
     /// Bytes the contractions read and wrote (their operands and results).
@@ -127,6 +131,9 @@ impl Work {
         }
         self.elementwise += o.elementwise;
         self.bytes += o.bytes;
+        for (a, b) in self.bytes_by_size.iter_mut().zip(o.bytes_by_size) {
+            *a += b;
+        }
         self.contraction_bytes += o.contraction_bytes;
         self.bytes_half += o.bytes_half;
         self.ops += o.ops;
@@ -141,6 +148,9 @@ impl Work {
         }
         self.elementwise -= o.elementwise;
         self.bytes -= o.bytes;
+        for (a, b) in self.bytes_by_size.iter_mut().zip(o.bytes_by_size) {
+            *a -= b;
+        }
         self.contraction_bytes -= o.contraction_bytes;
         self.bytes_half -= o.bytes_half;
         self.ops -= o.ops;
@@ -263,6 +273,17 @@ pub struct ShapesClient {
 struct State {
     next: AtomicU64,
     tensors: Mutex<HashMap<TensorId, Arc<Counted>>>,
+}
+
+/// The bucket of [`Work::bytes_by_size`] of an op moving `bytes`.
+pub fn size_bucket(bytes: f64) -> usize {
+    const MIB: f64 = (1 << 20) as f64;
+    match bytes {
+        b if b < MIB => 0,
+        b if b < 8.0 * MIB => 1,
+        b if b < 32.0 * MIB => 2,
+        _ => 3,
+    }
 }
 
 fn bytes_of(shape: &Shape, dtype: DType) -> usize {
@@ -431,7 +452,11 @@ impl RunnerClient for ShapesClient {
                     .any(|t| t.dtype.size() == 2 && t.dtype.is_float())
                 {
                     true => work.bytes_half = moved(),
-                    false => work.bytes = moved(),
+                    false => {
+                        let bytes = moved();
+                        work.bytes = bytes;
+                        work.bytes_by_size[size_bucket(bytes)] = bytes;
+                    }
                 }
             }
         }
