@@ -27,6 +27,8 @@ pub struct Calibration {
     /// One rank's `mem_bw` alone times the ranks, over one rank's on all cores (the
     /// machine's): how far the ranks slow each other streaming at once (0 for one rank).
     pub mem_contention: f64,
+    /// The same for the bf16 elementwise kernels (`mem_bw_half`).
+    pub half_contention: f64,
     /// The rate of the same add moving 768 KiB, 6 MiB, 24 MiB and 48 MiB (the buckets of
     /// [`crate::Work::bytes_by_size`]), as a multiple of `mem_bw` (the last is 1).
     pub bw_by_size: [f64; 4],
@@ -119,7 +121,7 @@ struct Key {
 }
 
 /// The way [`run`] measures; changed whenever it does.
-const METHOD: u32 = 2;
+const METHOD: u32 = 5;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Entry {
@@ -221,37 +223,49 @@ pub fn measure(ranks: usize) -> Calibration {
 }
 
 fn measure_now(ranks: usize, threads: usize) -> Calibration {
-    // One rank's rates first when several share the machine (how far they slow each other
-    // is measured against them below), measured now as the ranks' are, not read from the
-    // cache: measured after the products of another calibration, Flex's f32 add ran 4x slower
-    // for over a second (see `run`).
-    let all = (ranks > 1).then(|| measure_now(1, kiln_shard::threads::per_rank(1).unwrap_or(1)));
+    // Memory first, one rank's on all cores and then the ranks' own, before any product:
+    // right after a calibration's products, Flex's f32 add of 16 MiB ran 4x slower for over a
+    // second (9.6 ms against 2.4 ms; small adds not slowed; cause not found), which priced the
+    // elementwise work of a step at twice what the step took, or made a rank's memory look 4x
+    // slower than one rank's on all cores (and the plan of ZeRO-1 on 2 ranks 85% slow). The
+    // first calibration of a process is clear of it; a later one (another number of ranks in
+    // the same process) may not be.
+    let all = (ranks > 1).then(|| {
+        kiln_shard::threads::with_own_pool(kiln_shard::threads::per_rank(1).unwrap_or(1), streams)
+    });
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let oversubscribed = ((ranks * threads) as f64 / cores as f64).max(1.0);
-    let mut c = kiln_shard::threads::with_own_pool(threads, run);
+    let mut c = kiln_shard::threads::with_own_pool(threads, || run(streams()));
     c.cores = cores;
     c.matmul_f32 /= oversubscribed;
     c.matmul_half /= oversubscribed;
     c.mem_bw /= oversubscribed;
     c.mem_bw_half /= oversubscribed;
     c.op_overhead *= oversubscribed;
-    // The ranks stream memory at once: each gets at most its share of the machine's.
     if let Some(all) = all {
         // Memory: one rank's own rates (each rank's in turn when the others compute), and how
         // far they fall when several stream at once, for the plan to weigh by how much of its
-        // step each rank streams ([`crate::Profile::mem_contention`]). The 16-bit kernels
-        // (conversions as much as memory) capped at their share of the machine's rate.
+        // step each rank streams ([`crate::Profile::mem_contention`]); the same for the
+        // 16-bit kernels (conversions as much as memory). Capping each rank at its share of
+        // the machine's rate (one rank's on all cores) priced every layout of 2 ranks 20-50%
+        // slow.
         c.mem_contention = c.mem_bw * ranks as f64 / all.mem_bw;
-        c.mem_bw_half = c.mem_bw_half.min(all.mem_bw_half / ranks as f64);
+        c.half_contention = c.mem_bw_half * ranks as f64 / all.mem_bw_half;
     }
     c
 }
 
-fn run() -> Calibration {
+/// Elementwise rates: f32 bytes/s, its rates by size over it, bf16 bytes/s.
+struct Streams {
+    mem_bw: f64,
+    bw_by_size: [f64; 4],
+    mem_bw_half: f64,
+}
+
+fn streams() -> Streams {
     type B = Flex;
     type S = Shard<Flex>;
     let device = Default::default();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Elementwise work first, in a group of its own: right after the matrix products below,
     // Flex's f32 add ran 4x slower on this machine's AVX-512 CPU for the next several calls
     // (9.6 ms against 2.4 ms; cause not found), which priced the elementwise work of a step at
@@ -313,6 +327,24 @@ fn run() -> Calibration {
         sum16 / bytes,
     ];
     let mem_bw_half = seconds_per_byte.len() as f64 / seconds_per_byte.iter().sum::<f64>();
+    Streams {
+        mem_bw,
+        bw_by_size,
+        mem_bw_half,
+    }
+}
+
+/// The products, the op overhead and a message's latency, with the `streams` measured before.
+fn run(streams: Streams) -> Calibration {
+    type B = Flex;
+    type S = Shard<Flex>;
+    let device = Default::default();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let Streams {
+        mem_bw,
+        bw_by_size,
+        mem_bw_half,
+    } = streams;
 
     // The products: f32 at one shape and at the depths of [`crate::Work::flops_by_depth`];
     // kiln's 16-bit matmul on this CPU through the decorator under a bf16 policy (operands
@@ -401,6 +433,7 @@ fn run() -> Calibration {
         mem_bw,
         bw_by_size,
         mem_contention: 0.0,
+        half_contention: 0.0,
         mem_bw_half,
         op_overhead,
         message_latency,
@@ -441,6 +474,7 @@ mod tests {
                 matmul_half: rate / 2.0,
                 mem_bw: 1e10,
                 mem_contention: 1.5,
+                half_contention: 1.2,
                 bw_by_size: [1.2, 1.1, 1.0, 1.0],
                 mem_bw_half: 2e9,
                 op_overhead: 1e-6,

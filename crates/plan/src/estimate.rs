@@ -108,12 +108,27 @@ pub fn comm_time(c: &Collective, p: &Profile) -> f64 {
 /// Seconds of compute for `w` on the profile, by one rank whose memory no other rank streams
 /// from meanwhile.
 pub fn compute_time(w: &Work, p: &Profile) -> f64 {
-    compute_time_shared(w, p, 1.0)
+    compute_time_shared(w, p, Slowdown::NONE)
 }
 
-/// Seconds of compute for `w`, its elementwise bytes beyond the caches (the buckets of 8 MiB
-/// and more) `slowdown` times slower than alone.
-fn compute_time_shared(w: &Work, p: &Profile, slowdown: f64) -> f64 {
+/// How many times slower than alone a rank moves bytes while others share its memory.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Slowdown {
+    /// f32 elementwise bytes beyond the caches (the buckets of 8 MiB and more).
+    f32: f64,
+    /// 16-bit elementwise bytes.
+    half: f64,
+}
+
+impl Slowdown {
+    const NONE: Slowdown = Slowdown {
+        f32: 1.0,
+        half: 1.0,
+    };
+}
+
+/// Seconds of compute for `w`, its elementwise bytes moved `slowdown` times slower than alone.
+fn compute_time_shared(w: &Work, p: &Profile, slowdown: Slowdown) -> f64 {
     let e = p.efficiency;
     // The contractions' share of the peak, weighted by their FLOPs at each depth.
     let total: f64 = w.flops_by_depth.iter().sum();
@@ -136,12 +151,12 @@ fn compute_time_shared(w: &Work, p: &Profile, slowdown: f64) -> f64 {
         .iter()
         .zip(p.bw_by_size)
         .enumerate()
-        .map(|(k, (b, s))| b / s.max(1e-3) * if k >= 2 { slowdown } else { 1.0 })
+        .map(|(k, (b, s))| b / s.max(1e-3) * if k >= 2 { slowdown.f32 } else { 1.0 })
         .sum::<f64>()
         + (w.bytes - bucketed).max(0.0);
     (w.flops_f32 / (p.peak_f32 * e) + w.flops_half / (p.peak_half * e)) / depth
         + (elementwise + w.contraction_bytes) / (p.mem_bw * e)
-        + w.bytes_half / (p.mem_bw_half * e)
+        + w.bytes_half * slowdown.half / (p.mem_bw_half * e)
         + w.ops as f64 * p.op_overhead
 }
 
@@ -229,12 +244,13 @@ fn replay(r: &RoleRun, p: &Profile) -> RolePlan {
 /// for the share `s` of its step that this rank's own streaming takes (the ranks do the same
 /// work, their ops not in step), so `k` of them stream at once with the binomial's
 /// probability, and a byte moved then costs `max(1, contention (k + 1) / sharing)` times
-/// its time alone. Full contention (every rank streaming all the time) priced a ZeRO step
-/// of 2 ranks 20-50% slow: their matrix products leave memory to each other.
-fn contention(w: &Work, p: &Profile) -> f64 {
+/// its time alone (the profile's contention of f32 streams, and of its 16-bit kernels).
+/// Full contention (every rank streaming all the time) priced a ZeRO step of 2 ranks 20-50%
+/// slow: their matrix products leave memory to each other.
+fn contention(w: &Work, p: &Profile) -> Slowdown {
     let others = p.sharing.saturating_sub(1);
-    if others == 0 || p.mem_contention <= 0.0 {
-        return 1.0;
+    if others == 0 || (p.mem_contention <= 0.0 && p.half_contention <= 0.0) {
+        return Slowdown::NONE;
     }
     let alone = compute_time(w, p);
     let streamed: f64 = w.bytes_by_size[2..]
@@ -242,22 +258,29 @@ fn contention(w: &Work, p: &Profile) -> f64 {
         .zip(&p.bw_by_size[2..])
         .map(|(b, s)| b / s.max(1e-3))
         .sum::<f64>()
-        / (p.mem_bw * p.efficiency);
+        / (p.mem_bw * p.efficiency)
+        + w.bytes_half / (p.mem_bw_half * p.efficiency);
     let s = match alone > 0.0 {
         true => (streamed / alone).clamp(0.0, 1.0),
-        false => return 1.0,
+        false => return Slowdown::NONE,
     };
     let n = p.sharing as f64;
-    let mut choose = 1.0;
-    (0..=others)
-        .map(|k| {
-            if k > 0 {
-                choose *= (others - k + 1) as f64 / k as f64;
-            }
-            let prob = choose * s.powi(k as i32) * (1.0 - s).powi((others - k) as i32);
-            prob * (p.mem_contention * (k + 1) as f64 / n).max(1.0)
-        })
-        .sum()
+    let expected = |contention: f64| {
+        let mut choose = 1.0;
+        (0..=others)
+            .map(|k| {
+                if k > 0 {
+                    choose *= (others - k + 1) as f64 / k as f64;
+                }
+                let prob = choose * s.powi(k as i32) * (1.0 - s).powi((others - k) as i32);
+                prob * (contention * (k + 1) as f64 / n).max(1.0)
+            })
+            .sum()
+    };
+    Slowdown {
+        f32: expected(p.mem_contention),
+        half: expected(p.half_contention),
+    }
 }
 
 /// What the plan needs of the recipe besides the simulation.
@@ -388,6 +411,7 @@ mod tests {
         let mut p = crate::profile::profile("h100", 1).unwrap();
         p.sharing = sharing;
         p.mem_contention = contention;
+        p.half_contention = 0.0;
         p.mem_bw = 1e9;
         p.bw_by_size = [2.0, 2.0, 1.0, 1.0];
         p.op_overhead = 0.0;
@@ -404,13 +428,14 @@ mod tests {
             ..Work::default()
         };
         w.bytes_by_size[3] = 1e9;
-        assert!((contention(&w, &cpu(2, 2.0)) - 2.0).abs() < 1e-12);
-        assert!((contention(&w, &cpu(2, 1.5)) - 1.5).abs() < 1e-12);
+        let f32_of = |w: &Work, p: &Profile| contention(w, p).f32;
+        assert!((f32_of(&w, &cpu(2, 2.0)) - 2.0).abs() < 1e-12);
+        assert!((f32_of(&w, &cpu(2, 1.5)) - 1.5).abs() < 1e-12);
         // The machine serves both at their own rate: no slowdown.
-        assert_eq!(contention(&w, &cpu(2, 0.8)), 1.0);
+        assert_eq!(f32_of(&w, &cpu(2, 0.8)), 1.0);
         // One rank, or memory of its own (a GPU): none.
-        assert_eq!(contention(&w, &cpu(1, 2.0)), 1.0);
-        assert_eq!(contention(&w, &cpu(2, 0.0)), 1.0);
+        assert_eq!(contention(&w, &cpu(1, 2.0)), Slowdown::NONE);
+        assert_eq!(contention(&w, &cpu(2, 0.0)), Slowdown::NONE);
         // One second of products at the profile's peak and one of streaming: the other rank
         // streams half the time, 1.5x on average.
         let p = cpu(2, 2.0);
@@ -418,24 +443,40 @@ mod tests {
         half.flops_f32 = p.peak_f32;
         half.flops_by_depth[3] = p.peak_f32;
         assert!(
-            (contention(&half, &p) - 1.5).abs() < 1e-9,
-            "{}",
+            (f32_of(&half, &p) - 1.5).abs() < 1e-9,
+            "{:?}",
             contention(&half, &p)
         );
         // Four ranks, each streaming half its time: k others of 3 at once, binomial(3, 1/2);
         // a byte costs max(1, 2 (k + 1) / 4): 1, 1, 1.5, 2 for k = 0..3.
         let p4 = cpu(4, 2.0);
         let expected = (1.0 + 3.0 * 1.0 + 3.0 * 1.5 + 2.0) / 8.0;
-        assert!((contention(&half, &p4) - expected).abs() < 1e-9);
+        assert!((f32_of(&half, &p4) - expected).abs() < 1e-9);
+        // 16-bit kernels by their own contention, the streaming share counting their time.
+        let mut p16 = cpu(2, 0.0);
+        p16.half_contention = 1.6;
+        p16.mem_bw_half = 1e9;
+        let w16 = Work {
+            bytes_half: 1e9,
+            ..Work::default()
+        };
+        let s = contention(&w16, &p16);
+        assert!((s.half - 1.6).abs() < 1e-12 && s.f32 == 1.0, "{s:?}");
+        let t = compute_time_shared(&w16, &p16, s);
+        assert!((t - 1.6).abs() < 1e-12, "{t}");
         // Working sets the caches hold are not slowed, and do not count as streaming.
         let mut cached = Work {
             bytes: 1e9,
             ..Work::default()
         };
         cached.bytes_by_size[0] = 1e9;
-        assert_eq!(contention(&cached, &p), 1.0);
-        let t = compute_time_shared(&cached, &p, 2.0);
+        assert_eq!(contention(&cached, &p).f32, 1.0);
+        let both = Slowdown {
+            f32: 2.0,
+            half: 1.0,
+        };
+        let t = compute_time_shared(&cached, &p, both);
         assert!((t - 0.5).abs() < 1e-12, "{t}");
-        assert!((compute_time_shared(&w, &p, 2.0) - 2.0).abs() < 1e-12);
+        assert!((compute_time_shared(&w, &p, both) - 2.0).abs() < 1e-12);
     }
 }

@@ -33,6 +33,8 @@ pub struct Profile {
     /// machine's (0 where each has its own memory: GPUs, one rank). A rank streaming while
     /// `k` others do runs at `mem_bw / max(1, contention (k + 1) / sharing)`.
     pub mem_contention: f64,
+    /// The same for the 16-bit elementwise kernels (`mem_bw_half`).
+    pub half_contention: f64,
     /// The rate of f32 elementwise ops by the bytes each moves (the buckets of
     /// [`crate::Work::bytes_by_size`]), as a multiple of `mem_bw`: 1 on GPUs, above 1 on a CPU
     /// whose caches hold the smaller working sets.
@@ -95,6 +97,7 @@ fn gpu(
         depth_efficiency: [1.0; 4],
         bw_by_size: [1.0; 4],
         mem_contention: 0.0,
+        half_contention: 0.0,
         mem_bw: mem_tbs * T,
         mem_bw_half: mem_tbs * T,
         intra_bw: intra_gbs * GB,
@@ -246,6 +249,7 @@ pub fn calibrate_cpu(ranks: usize) -> Profile {
         depth_efficiency: c.depth_efficiency,
         bw_by_size: c.bw_by_size,
         mem_contention: c.mem_contention,
+        half_contention: c.half_contention,
         mem_bw: c.mem_bw,
         mem_bw_half: c.mem_bw_half,
         intra_bw: c.mem_bw / 2.0,
