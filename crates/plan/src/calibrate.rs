@@ -177,7 +177,7 @@ fn write_cache(path: &Path, entry: Entry) {
 
 /// What one of `ranks` ranks as threads of this machine gets: read from [`cache_path`]'s
 /// file when this machine was calibrated for as many ranks before, else measured (about two
-/// seconds, four with several ranks) and kept there. The kernels run in a pool of the
+/// seconds, three with several ranks) and kept there. The kernels run in a pool of the
 /// threads `kiln train` gives each rank, and where the ranks' threads outnumber the cores,
 /// the rates are divided by how many share each core. Calibrating once per machine keeps the
 /// plans of one sitting comparable: measured afresh, the same layout's plan moved by ~10%
@@ -236,7 +236,6 @@ fn measure_now(ranks: usize, threads: usize) -> Calibration {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let oversubscribed = ((ranks * threads) as f64 / cores as f64).max(1.0);
     let mut c = kiln_shard::threads::with_own_pool(threads, || run(streams()));
-    c.cores = cores;
     c.matmul_f32 /= oversubscribed;
     c.matmul_half /= oversubscribed;
     c.mem_bw /= oversubscribed;
@@ -266,22 +265,16 @@ fn streams() -> Streams {
     type B = Flex;
     type S = Shard<Flex>;
     let device = Default::default();
-    // Elementwise work first, in a group of its own: right after the matrix products below,
-    // Flex's f32 add ran 4x slower on this machine's AVX-512 CPU for the next several calls
-    // (9.6 ms against 2.4 ms; cause not found), which priced the elementwise work of a step at
-    // twice what the step took. 16 MiB tensors: the size of a step's activations, served from
-    // the heap as theirs are.
+    // Measured before any product (see `measure_now`). Flex's f32 add of tensors of 256 KiB
+    // to 16 MiB (the size of a step's activations, served from the heap as theirs are).
     let len = 1 << 22;
-    let [small, medium, large, x] = [1 << 16, 1 << 19, 1 << 21, len]
-        .map(|n| Tensor::<B, 1>::random([n], Distribution::Default, &device));
+    let sizes = [1 << 16, 1 << 19, 1 << 21, len];
     let y = Tensor::<B, 1>::random([len], Distribution::Default, &device);
-    let sized = |x: &Tensor<B, 1>| {
-        let y = y.clone().slice(0..x.dims()[0]);
-        let x = x.clone();
+    let [mut add_small, mut add_medium, mut add_large, mut add] = sizes.map(|n| {
+        let x = Tensor::<B, 1>::random([n], Distribution::Default, &device);
+        let y = y.clone().slice(0..n);
         move || timed(|| drop(x.clone() + y.clone()))
-    };
-    let (mut add_small, mut add_medium, mut add_large) =
-        (sized(&small), sized(&medium), sized(&large));
+    });
     // kiln's bf16 elementwise kernels through the decorator, as a step runs them: Flex's
     // same-shape bf16 add streams at ~40% of f32's rate, but a broadcast, a scalar op and a
     // reduction over rows run at 2x to 7x its time per byte (widened and rounded piece by
@@ -302,7 +295,7 @@ fn streams() -> Streams {
         scalar16,
         sum16,
     ] = medians([
-        &mut || timed(|| drop(x.clone() + y.clone())),
+        &mut add,
         &mut add_small,
         &mut add_medium,
         &mut add_large,
@@ -312,13 +305,9 @@ fn streams() -> Streams {
         &mut || timed(|| drop(rows.clone().sum_dim(1))),
     ]);
     let mem_bw = 3.0 * (len * 4) as f64 / add;
-    let bw_by_size = [
-        (add_small, 1 << 16),
-        (add_medium, 1 << 19),
-        (add_large, 1 << 21),
-        (add, len),
-    ]
-    .map(|(t, n)| (3.0 * (n * 4) as f64 / t / mem_bw).max(1.0));
+    let times = [add_small, add_medium, add_large, add];
+    let bw_by_size: [f64; 4] =
+        std::array::from_fn(|k| (3.0 * (sizes[k] * 4) as f64 / times[k] / mem_bw).max(1.0));
     let bytes = (len * 2) as f64;
     let seconds_per_byte = [
         add16 / (3.0 * bytes),
@@ -441,7 +430,8 @@ fn run(streams: Streams) -> Calibration {
     }
 }
 
-fn now() -> u64 {
+/// Seconds since the Unix epoch.
+pub(crate) fn now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())

@@ -143,17 +143,8 @@ fn compute_time_shared(w: &Work, p: &Profile, slowdown: Slowdown) -> f64 {
         }
         false => 1.0,
     };
-    // Elementwise bytes at their working set's rate; any not bucketed (none from the shape
-    // backend) at memory's.
-    let bucketed: f64 = w.bytes_by_size.iter().sum();
-    let elementwise = w
-        .bytes_by_size
-        .iter()
-        .zip(p.bw_by_size)
-        .enumerate()
-        .map(|(k, (b, s))| b / s.max(1e-3) * if k >= 2 { slowdown.f32 } else { 1.0 })
-        .sum::<f64>()
-        + (w.bytes - bucketed).max(0.0);
+    let (cached, beyond) = elementwise_bytes(w, p);
+    let elementwise = cached + beyond * slowdown.f32;
     (w.flops_f32 / (p.peak_f32 * e) + w.flops_half / (p.peak_half * e)) / depth
         + (elementwise + w.contraction_bytes) / (p.mem_bw * e)
         + w.bytes_half * slowdown.half / (p.mem_bw_half * e)
@@ -239,6 +230,15 @@ fn replay(r: &RoleRun, p: &Profile) -> RolePlan {
     }
 }
 
+/// `w`'s f32 elementwise bytes, each divided by its working set's rate over memory's (so at
+/// memory's rate they take as long): those the caches hold (below 8 MiB, and any not bucketed,
+/// none from the shape backend) and those beyond them, which ranks sharing memory slow.
+fn elementwise_bytes(w: &Work, p: &Profile) -> (f64, f64) {
+    let at = |k: usize| w.bytes_by_size[k] / p.bw_by_size[k].max(1e-3);
+    let unbucketed = (w.bytes - w.bytes_by_size.iter().sum::<f64>()).max(0.0);
+    (at(0) + at(1) + unbucketed, at(2) + at(3))
+}
+
 /// How much slower a rank doing `w` streams from memory for the other ranks sharing it
 /// (ranks as threads of one machine), on average: each of the `sharing - 1` others streams
 /// for the share `s` of its step that this rank's own streaming takes (the ranks do the same
@@ -253,12 +253,7 @@ fn contention(w: &Work, p: &Profile) -> Slowdown {
         return Slowdown::NONE;
     }
     let alone = compute_time(w, p);
-    let streamed: f64 = w.bytes_by_size[2..]
-        .iter()
-        .zip(&p.bw_by_size[2..])
-        .map(|(b, s)| b / s.max(1e-3))
-        .sum::<f64>()
-        / (p.mem_bw * p.efficiency)
+    let streamed = elementwise_bytes(w, p).1 / (p.mem_bw * p.efficiency)
         + w.bytes_half / (p.mem_bw_half * p.efficiency);
     let s = match alone > 0.0 {
         true => (streamed / alone).clamp(0.0, 1.0),

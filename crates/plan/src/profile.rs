@@ -211,10 +211,7 @@ pub fn profile(name: &str, ranks: usize) -> Result<Profile, String> {
 pub fn calibrate_cpu(ranks: usize) -> Profile {
     let c = crate::calibrate::measure(ranks);
     let memory = crate::calibrate::physical_memory() as f64;
-    let age = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-        .saturating_sub(c.measured_at);
+    let age = crate::calibrate::now().saturating_sub(c.measured_at);
     let when = match age {
         a if a < 60 => "now".to_string(),
         a if a < 7200 => format!("{} min ago", a / 60),
